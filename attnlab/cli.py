@@ -1,0 +1,35 @@
+"""The ``attnlab`` command: ``attnlab analyze | train | bench ...``.
+
+Each subcommand lives in its own module, which provides ``add_arguments(parser)`` and
+``run(args) -> int``; this file only dispatches (modules are imported when their command runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module, one-line help)
+COMMANDS = {
+    "analyze": ("attnlab.analyze_cli", "analyse a text with every attention variant on a model"),
+    "train": ("attnlab.train", "train a small transformer with any attention variant"),
+    "bench": ("attnlab.bench", "benchmark attention variants against torch SDPA"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="attnlab", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    name = argv[0] if argv and argv[0] in COMMANDS else None
+    for cmd, (module, help_) in COMMANDS.items():
+        p = sub.add_parser(cmd, help=help_)
+        if cmd == name:  # import only the module of the command being run
+            importlib.import_module(module).add_arguments(p)
+    args = parser.parse_args(argv)
+    return int(importlib.import_module(COMMANDS[args.command][0]).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

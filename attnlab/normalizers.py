@@ -1,0 +1,521 @@
+"""Normalizers: turn attention scores into attention weights, and the fused ``attend`` path.
+
+Notation (DESIGN.md §1): queries i = 1..M, keys j = 1..N.
+
+    q         (B, H, M, D)      k (B, H, N, D)      v (B, H, N, Dv)
+    scores    (B, H, M, N)      s_ij = scale * q_i . k_j
+    weights   (B, H, M, N)      pi_ij, every row sums to 1 (or is all zero when it has no valid key)
+    mask      bool, broadcastable to (B, H, M, N); True = "query i may attend to key j"
+
+Variants ("Attention that does not Explain Away", Eqs. 1, 5, 10, 12):
+
+    unas      pi = softmax_j(s)                                       (Eq. 1)
+    dnas      pi = softmax_j(s_ij - c_j), c_j = logsumexp_i s_ij      (Eq. 5, in log space)
+    hnas      pi = u * pi_dnas + (1 - u) * pi_unas                    (Eq. 12)
+    sinkhorn  ``iters`` alternating (column, row) normalizations      (Eq. 10)
+
+Every variant is one pure function ``(logits, ctx) -> weights`` in ``REGISTRY``; adding a variant is
+one function and one registry line. ``attend`` additionally has fused implementations (``FUSED``)
+that never hold the (M, N) matrix; a variant without one is computed by materializing its weights.
+
+Numerics: normalization runs in float32 (float64 when given float64) and the result is cast back.
+Masked entries are -inf; a query row with no valid key gets zero weights and a zero output, a key
+column with no valid query contributes nothing, and no NaN is produced in either direction.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+__all__ = [
+    "REGISTRY",
+    "FUSED",
+    "VARIANTS",
+    "NormalizerContext",
+    "attention_weights",
+    "attend",
+    "column_logsumexp",
+    "unas",
+    "dnas",
+    "hnas",
+    "sinkhorn",
+]
+
+NEG_INF = float("-inf")
+# Stand-in for "logsumexp of an empty set": finite, so gradients stay NaN-free, and far below
+# any real score, so logaddexp(real, FLOOR) == real exactly.
+LSE_FLOOR = -1e30
+# Key block of the blocked column-logsumexp fallback and its backward: (B, H, M, KEY_BLOCK) at a time.
+KEY_BLOCK = 256
+# Query block of the causal DNAS pass: (B, H, QUERY_BLOCK, N) at a time.
+QUERY_BLOCK = 128
+
+
+@dataclass(frozen=True)
+class NormalizerContext:
+    """What a normalizer may need beyond the logits."""
+
+    causal: bool = False  # the mask already contains j <= i; DNAS then normalizes columns over prefixes
+    u: float | torch.Tensor = 0.5  # HNAS hybrid weight, float or broadcastable to (B, H, 1, 1)
+    iters: int = 1  # Sinkhorn iterations (column step, then row step)
+
+
+# ----------------------------------------------------------------------------------------------
+# Numerically safe building blocks (logits carry -inf at masked entries)
+# ----------------------------------------------------------------------------------------------
+
+
+def _safe_logsumexp(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """logsumexp over ``dim`` (keepdim) that returns 0 instead of -inf for an all -inf slice.
+
+    Gradients are finite everywhere: the shift is detached and the log never sees 0.
+    """
+    m = x.amax(dim, keepdim=True).detach()
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    total = torch.exp(x - m).sum(dim, keepdim=True)
+    return torch.log(torch.where(total > 0, total, torch.ones_like(total))) + m
+
+
+def _row_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """softmax over the last dim; a row of -inf becomes all zeros (not NaN)."""
+    return torch.exp(logits - _safe_logsumexp(logits, -1))
+
+
+def _prefix_column_logsumexp(logits: torch.Tensor, carry: torch.Tensor | None = None) -> torch.Tensor:
+    """c_j(i) = logsumexp over i' <= i of logits_{i' j}  (causal DNAS, DESIGN.md §2).
+
+    logits (..., M, N); carry (..., 1, N) is the prefix of earlier query blocks (None = empty).
+    Empty prefixes give LSE_FLOOR (finite), which keeps the backward pass NaN-free.
+    """
+    if carry is None:
+        carry = logits.new_full((*logits.shape[:-2], 1, logits.shape[-1]), LSE_FLOOR)
+    return torch.logcumsumexp(torch.cat([carry, logits], dim=-2), dim=-2)[..., 1:, :]
+
+
+# ----------------------------------------------------------------------------------------------
+# The variants: pure functions (logits (B, H, M, N) with -inf where masked, ctx) -> weights
+# ----------------------------------------------------------------------------------------------
+
+
+def unas(logits: torch.Tensor, ctx: NormalizerContext) -> torch.Tensor:
+    """Eq. (1): pi_ij = exp(s_ij) / sum_j' exp(s_ij'). Rows sum to 1."""
+    return _row_softmax(logits)
+
+
+def dnas(logits: torch.Tensor, ctx: NormalizerContext) -> torch.Tensor:
+    """Eq. (5): normalize over queries i, then over keys j.
+
+    In log space (DESIGN.md §2): pi_ij = softmax_j(s_ij - c_j) with c_j = logsumexp over valid i of
+    s_ij. Every valid column then receives mass >= 1/N_valid. With ``ctx.causal`` the column sum runs
+    over the prefix i' <= i only (c_j(i)), so a later query never changes an earlier row; this is an
+    extension of the paper and puts logit 0 = s_ii - c_i(i) on the diagonal, the largest possible.
+    """
+    if ctx.causal:
+        c = _prefix_column_logsumexp(logits)  # (B, H, M, N)
+    else:
+        c = _safe_logsumexp(logits, -2)  # (B, H, 1, N); gradients flow through c_j
+    return _row_softmax(logits - c)
+
+
+def hnas(logits: torch.Tensor, ctx: NormalizerContext) -> torch.Tensor:
+    """Eq. (12): u * pi_dnas + (1 - u) * pi_unas, u in [0, 1] per head. Column mass >= u/N_valid."""
+    return torch.lerp(unas(logits, ctx), dnas(logits, ctx), _as_weight(ctx.u, logits))
+
+
+def sinkhorn(logits: torch.Tensor, ctx: NormalizerContext) -> torch.Tensor:
+    """Eq. (10): ``iters`` rounds of (column, row) normalization in log space.
+
+    ``iters=1`` is exactly DNAS; as iters grows every valid column's mass approaches M_valid/N_valid
+    (doubly stochastic when M = N). Causal use allows only iters=1 (checked by the callers).
+    """
+    if ctx.causal or ctx.iters == 1:
+        return dnas(logits, ctx)
+    for _ in range(ctx.iters - 1):
+        logits = logits - _safe_logsumexp(logits, -2)  # column step: sum_i = 1
+        logits = logits - _safe_logsumexp(logits, -1)  # row step:    sum_j = 1
+    return dnas(logits, ctx)  # the last (column, row) round
+
+
+# The registry: name -> normalizer. Adding a variant = one function above + one line here.
+REGISTRY: dict[str, Callable[[torch.Tensor, NormalizerContext], torch.Tensor]] = {
+    "unas": unas,
+    "dnas": dnas,
+    "hnas": hnas,
+    "sinkhorn": sinkhorn,
+}
+VARIANTS: tuple[str, ...] = tuple(REGISTRY)
+
+
+# ----------------------------------------------------------------------------------------------
+# Argument checking (errors name the argument, the expectation and what was seen)
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_variant(variant: str) -> str:
+    if not isinstance(variant, str) or variant not in REGISTRY:
+        raise ValueError(f"variant must be one of {tuple(REGISTRY)}, got {variant!r}")
+    return variant
+
+
+def _check_float(name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+
+
+def _check_mask(mask: torch.Tensor | None, shape: torch.Size) -> torch.Tensor | None:
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        seen = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"mask must be a boolean tensor (True = may attend), got {seen}")
+    try:
+        if torch.broadcast_shapes(mask.shape, shape) != shape:
+            raise RuntimeError
+    except RuntimeError:
+        raise ValueError(
+            f"mask of shape {tuple(mask.shape)} does not broadcast to the scores' shape {tuple(shape)}"
+        ) from None
+    while mask.dim() < len(shape):
+        mask = mask.unsqueeze(0)
+    return mask
+
+
+def _check_u(u: float | torch.Tensor | None) -> float | torch.Tensor:
+    if u is None:
+        return 0.5  # sigmoid(theta_0 = 0)
+    if isinstance(u, torch.Tensor):
+        if not u.is_floating_point():
+            raise ValueError(f"u must be a float or a floating tensor in [0, 1], got dtype {u.dtype}")
+        if u.numel() and not torch.compiler.is_compiling():
+            lo, hi = float(u.detach().min()), float(u.detach().max())
+            if not (0.0 <= lo and hi <= 1.0):
+                raise ValueError(f"u must lie in [0, 1], got values in [{lo:g}, {hi:g}]")
+        return u
+    if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 <= float(u) <= 1.0:
+        raise ValueError(f"u must be a float in [0, 1] (or a tensor of them), got {u!r}")
+    return float(u)
+
+
+def _check_iters(iters: int | None, variant: str, causal: bool) -> int:
+    if iters is None:
+        return 1
+    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
+        raise ValueError(f"iters must be an integer >= 1, got {iters!r}")
+    if variant == "sinkhorn" and causal and iters > 1:
+        raise ValueError(
+            f"causal sinkhorn needs iters=1 (got iters={iters}): with a causal mask the alternating "
+            "normalizations degenerate toward the identity; use iters=1 (= causal dnas) or causal=False"
+        )
+    return iters
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _as_weight(u: float | torch.Tensor, like: torch.Tensor) -> float | torch.Tensor:
+    return u.to(like.dtype) if isinstance(u, torch.Tensor) else u
+
+
+def _causal_mask(m: int, n: int, device: torch.device) -> torch.Tensor:
+    """(M, N) bool, True where j <= i."""
+    return torch.ones(m, n, dtype=torch.bool, device=device).tril()
+
+
+def _combine_masks(mask: torch.Tensor | None, causal: bool, m: int, n: int, device) -> torch.Tensor | None:
+    if not causal:
+        return mask
+    tri = _causal_mask(m, n, device)
+    return tri if mask is None else mask & tri
+
+
+# ----------------------------------------------------------------------------------------------
+# Public: weights from scores
+# ----------------------------------------------------------------------------------------------
+
+
+def attention_weights(
+    scores: torch.Tensor,
+    variant: str,
+    *,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+    u: float | torch.Tensor | None = None,
+    iters: int | None = None,
+) -> torch.Tensor:
+    """Attention weights of one variant from scores.
+
+    Args:
+        scores: (..., M, N) floating, typically (B, H, M, N) with s_ij = scale * q_i . k_j.
+        variant: one of ``VARIANTS``.
+        mask: bool broadcastable to ``scores.shape``; True = may attend. Padded queries are rows of
+            False and are excluded from DNAS's column normalization.
+        causal: also require j <= i.
+        u: HNAS hybrid weight in [0, 1], float or tensor broadcastable to (B, H, 1, 1); default 0.5.
+        iters: Sinkhorn iterations (>= 1, default 1; causal allows only 1).
+
+    Returns:
+        weights (..., M, N) in ``scores.dtype``; valid rows sum to 1, rows without a valid key are 0.
+    """
+    _check_variant(variant)
+    _check_float("scores", scores)
+    if scores.dim() < 2:
+        raise ValueError(f"scores must have at least 2 dims (..., M, N), got shape {tuple(scores.shape)}")
+    mask = _check_mask(mask, scores.shape)
+    ctx = NormalizerContext(causal=causal, u=_check_u(u), iters=_check_iters(iters, variant, causal))
+    m, n = scores.shape[-2:]
+    mask = _combine_masks(mask, causal, m, n, scores.device)
+    logits = scores.to(_compute_dtype(scores.dtype))
+    if mask is not None:
+        logits = logits.masked_fill(~mask, NEG_INF)
+    return REGISTRY[variant](logits, ctx).to(scores.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Column log-sum-exp without the (M, N) matrix: c_j = logsumexp_i s_ij
+# ----------------------------------------------------------------------------------------------
+
+
+def _flash_lse_available(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
+
+
+def _column_lse_fused(q, k, mask, scale):
+    """The column LSE is the row LSE of the transposed problem (keys attend to queries): one pass of
+    PyTorch's CPU flash-attention kernel, which returns that log-sum-exp."""
+    bias = None
+    if mask is not None:  # additive mask of the transposed problem, (b, h, N, M)
+        mt = mask.transpose(-1, -2)
+        bias = torch.zeros(mt.shape, dtype=q.dtype, device=q.device).masked_fill_(~mt, NEG_INF)
+    _, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        k, q, q, attn_mask=bias, scale=scale
+    )
+    return lse  # (B, H, N)
+
+
+def _mask_block(mask: torch.Tensor | None, j0: int, j1: int) -> torch.Tensor | None:
+    if mask is None or mask.shape[-1] == 1:
+        return mask
+    return mask[..., j0:j1]
+
+
+def _column_lse_blocked(q, k, mask, scale, block=KEY_BLOCK):
+    """Fallback: key blocks of (B, H, M, block) scores, on any device."""
+    out = []
+    for j0 in range(0, k.shape[-2], block):
+        j1 = min(j0 + block, k.shape[-2])
+        s = torch.matmul(q, k[..., j0:j1, :].transpose(-1, -2)).mul_(scale)  # (B, H, M, b)
+        mb = _mask_block(mask, j0, j1)
+        if mb is not None:
+            s.masked_fill_(~mb, NEG_INF)
+        out.append(_safe_logsumexp(s, -2).squeeze(-2))  # (B, H, b)
+    return torch.cat(out, dim=-1)
+
+
+class _ColumnLogSumExp(torch.autograd.Function):
+    """c (B, H, N) from q (B, H, M, D), k (B, H, N, D); backward recomputes scores by key block.
+
+    dc_j/ds_ij = exp(s_ij - c_j) (the column softmax), so grad_q = scale * sum_j g_j P_ij k_j and
+    grad_k_j = scale * sum_i g_j P_ij q_i, one (B, H, M, block) block at a time.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, mask, scale):
+        if _flash_lse_available(q):
+            c = _column_lse_fused(q, k, mask, scale)
+        else:
+            c = _column_lse_blocked(q, k, mask, scale)
+        if mask is not None:  # empty columns: 0 (finite), they are masked everywhere they appear
+            col_valid = mask.any(-2).expand_as(c)
+            c = torch.where(col_valid, c, torch.zeros_like(c))
+        ctx.save_for_backward(q, k, c, mask)
+        ctx.scale = scale
+        return c
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_c):
+        q, k, c, mask = ctx.saved_tensors
+        scale = ctx.scale
+        grad_q = torch.zeros_like(q)
+        grad_k = torch.empty_like(k)
+        for j0 in range(0, k.shape[-2], KEY_BLOCK):
+            j1 = min(j0 + KEY_BLOCK, k.shape[-2])
+            kb = k[..., j0:j1, :]
+            s = torch.matmul(q, kb.transpose(-1, -2)).mul_(scale)  # (B, H, M, b)
+            mb = _mask_block(mask, j0, j1)
+            if mb is not None:
+                s.masked_fill_(~mb, NEG_INF)
+            g = torch.exp(s - c[..., None, j0:j1]).mul_(grad_c[..., None, j0:j1])  # (B, H, M, b)
+            grad_q.add_(torch.matmul(g, kb), alpha=scale)
+            grad_k[..., j0:j1, :] = torch.matmul(g.transpose(-1, -2), q).mul_(scale)
+        return grad_q, grad_k, None, None
+
+
+def column_logsumexp(
+    q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None = None, scale: float | None = None
+) -> torch.Tensor:
+    """c_j = logsumexp over valid i of scale * q_i . k_j, as (B, H, N), differentiable.
+
+    Never holds the (M, N) matrix: a fused flash pass on CPU, key blocks elsewhere. Columns with no
+    valid query get 0. ``mask`` is bool broadcastable to (B, H, M, N).
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return _ColumnLogSumExp.apply(q, k, mask, scale)
+
+
+# ----------------------------------------------------------------------------------------------
+# Fused attend paths: out (B, H, M, Dv) without the (M, N) matrix
+# ----------------------------------------------------------------------------------------------
+
+
+def _row_valid(mask: torch.Tensor | None) -> torch.Tensor | None:
+    return None if mask is None else mask.any(-1, keepdim=True)  # (b, h, m, 1)
+
+
+def _sdpa(q, k, v, mask, scale, key_bias=None, causal=False):
+    """softmax_j(s_ij + key_bias_j) @ v through torch SDPA; masked -> -inf; empty rows -> 0.
+
+    key_bias (B, H, N) enters as a contiguous additive (B, H, 1, N) mask (fully materialized only
+    when ``mask`` itself depends on the query). ``causal`` without a mask uses SDPA's is_causal."""
+    if causal and (mask is not None or key_bias is not None):
+        mask = _combine_masks(mask, True, q.shape[-2], k.shape[-2], q.device)
+        causal = False
+    rows = _row_valid(mask)
+    attn = None
+    if key_bias is not None:
+        attn = key_bias[..., None, :]  # (B, H, 1, N)
+        if mask is not None:
+            attn = attn.masked_fill(~(mask | ~rows), NEG_INF)  # empty rows see every key (then zeroed)
+        attn = attn.contiguous()
+    elif mask is not None:
+        attn = mask | ~rows
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn, scale=scale, is_causal=causal)
+    return out if rows is None else out.masked_fill(~rows, 0.0)
+
+
+def _causal_dnas_blocked(q, k, v, mask, scale):
+    """Causal DNAS by query blocks, carrying each column's prefix log-sum-exp (B, H, 1, N)."""
+    m, n = q.shape[-2], k.shape[-2]
+    carry, outs = None, []
+    kt = k.transpose(-1, -2)
+    for i0 in range(0, m, QUERY_BLOCK):
+        i1 = min(i0 + QUERY_BLOCK, m)
+        s = torch.matmul(q[..., i0:i1, :], kt).mul_(scale)  # (B, H, b, N)
+        valid = torch.ones(i1 - i0, n, dtype=torch.bool, device=q.device).tril(i0)  # j <= i
+        if mask is not None:
+            valid = valid & (mask if mask.shape[-2] == 1 else mask[..., i0:i1, :])
+        s = s.masked_fill(~valid, NEG_INF)
+        c = _prefix_column_logsumexp(s, carry)  # (B, H, b, N)
+        carry = c[..., -1:, :]
+        outs.append(torch.matmul(_row_softmax(s - c), v))
+    return torch.cat(outs, dim=-2)
+
+
+# Fused implementations: (q, k, v, mask, scale, ctx) -> out (B, H, M, Dv), where ``mask`` excludes
+# the causal part (ctx.causal says). Returning None falls back to materializing the weights, and a
+# new variant needs no entry here.
+
+
+def _fused_unas(q, k, v, mask, scale, ctx):
+    return _sdpa(q, k, v, mask, scale, causal=ctx.causal)
+
+
+def _fused_dnas(q, k, v, mask, scale, ctx):
+    if ctx.causal:
+        return _causal_dnas_blocked(q, k, v, mask, scale)
+    c = column_logsumexp(q, k, mask, scale)  # (B, H, N)
+    return _sdpa(q, k, v, mask, scale, key_bias=-c)
+
+
+def _fused_hnas(q, k, v, mask, scale, ctx):
+    # Eq. (12) with V entering linearly: u * (pi_dnas V) + (1 - u) * (pi_unas V)
+    out_unas = _fused_unas(q, k, v, mask, scale, ctx)
+    return torch.lerp(out_unas, _fused_dnas(q, k, v, mask, scale, ctx), _as_weight(ctx.u, q))
+
+
+def _fused_sinkhorn(q, k, v, mask, scale, ctx):
+    return _fused_dnas(q, k, v, mask, scale, ctx) if ctx.iters == 1 else None
+
+
+FUSED: dict[str, Callable] = {
+    "unas": _fused_unas,
+    "dnas": _fused_dnas,
+    "hnas": _fused_hnas,
+    "sinkhorn": _fused_sinkhorn,
+}
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    variant: str,
+    *,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+    u: float | torch.Tensor | None = None,
+    iters: int | None = None,
+    scale: float | None = None,
+    return_weights: bool = False,
+):
+    """Attention output of one variant: ``weights @ v``.
+
+    Args:
+        q: (B, H, M, D) queries; k: (B, H, N, D) keys; v: (B, H, N, Dv) values (floating).
+        variant, mask, causal, u, iters: as in :func:`attention_weights`.
+        scale: score scale, default 1/sqrt(D).
+        return_weights: also return the (B, H, M, N) weights (materialized).
+
+    Returns:
+        out (B, H, M, Dv) in ``q.dtype``, or ``(out, weights)``. Rows without a valid key give 0.
+
+    Without ``return_weights``, unas/dnas/hnas (and sinkhorn with iters=1) never hold the (M, N)
+    matrix: DNAS's column log-sum-exp comes from a fused pass over the transposed problem and the row
+    pass is torch SDPA with the per-key bias -c_j. Half-precision inputs are computed in float32.
+    """
+    _check_variant(variant)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_float(name, t)
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (B, H, length, dim), got shape {tuple(t.shape)}")
+    if k.shape[-1] != q.shape[-1] or k.shape[:2] != q.shape[:2]:
+        raise ValueError(
+            f"k must be (B, H, N, D) matching q (B, H, M, D) in B, H and D; got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}"
+        )
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(
+            f"v must be (B, H, N, Dv) matching k (B, H, N, D) in B, H and N; got k {tuple(k.shape)}, "
+            f"v {tuple(v.shape)}"
+        )
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    B, H, M, D = q.shape
+    N = k.shape[-2]
+    mask = _check_mask(mask, torch.Size((B, H, M, N)))
+    ctx = NormalizerContext(causal=causal, u=_check_u(u), iters=_check_iters(iters, variant, causal))
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+
+    out_dtype = q.dtype
+    dt = _compute_dtype(torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype))
+    q, k, v = q.to(dt), k.to(dt), v.to(dt)
+
+    if not return_weights and variant in FUSED:
+        out = FUSED[variant](q, k, v, mask, scale, ctx)
+        if out is not None:
+            return out.to(out_dtype)
+
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)  # (B, H, M, N)
+    weights = attention_weights(scores, variant, mask=mask, causal=causal, u=ctx.u, iters=ctx.iters)
+    out = torch.matmul(weights, v).to(out_dtype)
+    return (out, weights.to(out_dtype)) if return_weights else out
+
