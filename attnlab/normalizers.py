@@ -41,6 +41,7 @@ __all__ = [
     "attention_weights",
     "attend",
     "column_logsumexp",
+    "row_logsumexp",
     "unas",
     "dnas",
     "hnas",
@@ -280,7 +281,7 @@ def attention_weights(
 
 
 # ----------------------------------------------------------------------------------------------
-# Column log-sum-exp without the (M, N) matrix: c_j = logsumexp_i s_ij
+# Log-sum-exp over queries without the (M, N) matrix: c_j = logsumexp_i (s_ij + b_i)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -288,16 +289,17 @@ def _flash_lse_available(q: torch.Tensor) -> bool:
     return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
 
 
-def _column_lse_fused(q, k, mask, scale):
+def _lse_fused(q, k, bias, mask, scale):
     """The column LSE is the row LSE of the transposed problem (keys attend to queries): one pass of
-    PyTorch's CPU flash-attention kernel, which returns that log-sum-exp."""
-    bias = None
-    if mask is not None:  # additive mask of the transposed problem, (b, h, N, M)
-        mt = mask.transpose(-1, -2)
-        bias = torch.zeros(mt.shape, dtype=q.dtype, device=q.device).masked_fill_(~mt, NEG_INF)
-    _, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        k, q, q, attn_mask=bias, scale=scale
-    )
+    PyTorch's CPU flash-attention kernel, which returns that log-sum-exp. bias (B, H, M) or None."""
+    add = None if bias is None else bias[..., None, :]  # (B, H, 1, M) of the transposed problem
+    if mask is not None:
+        mt = mask.transpose(-1, -2)  # (b, h, N, M)
+        base = torch.zeros((), dtype=q.dtype, device=q.device) if add is None else add
+        add = base.masked_fill(~mt, NEG_INF)
+    if add is not None:
+        add = add.contiguous()
+    _, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(k, q, q, attn_mask=add, scale=scale)
     return lse  # (B, H, N)
 
 
@@ -307,69 +309,75 @@ def _mask_block(mask: torch.Tensor | None, j0: int, j1: int) -> torch.Tensor | N
     return mask[..., j0:j1]
 
 
-def _column_lse_blocked(q, k, mask, scale, block=KEY_BLOCK):
-    """Fallback: key blocks of (B, H, M, block) scores, on any device."""
-    out = []
+def _score_blocks(q, k, bias, mask, scale, block=None):
+    """Yield (j0, j1, s) with s = scale * q k_block^T + b_i, masked to -inf: (B, H, M, block)."""
+    block = block or KEY_BLOCK
     for j0 in range(0, k.shape[-2], block):
         j1 = min(j0 + block, k.shape[-2])
-        s = torch.matmul(q, k[..., j0:j1, :].transpose(-1, -2)).mul_(scale)  # (B, H, M, b)
+        s = torch.matmul(q, k[..., j0:j1, :].transpose(-1, -2)).mul_(scale)
+        if bias is not None:
+            s.add_(bias[..., :, None])
         mb = _mask_block(mask, j0, j1)
         if mb is not None:
             s.masked_fill_(~mb, NEG_INF)
-        out.append(_safe_logsumexp(s, -2).squeeze(-2))  # (B, H, b)
-    return torch.cat(out, dim=-1)
+        yield j0, j1, s
 
 
-class _ColumnLogSumExp(torch.autograd.Function):
-    """c (B, H, N) from q (B, H, M, D), k (B, H, N, D); backward recomputes scores by key block.
+class _QueryLogSumExp(torch.autograd.Function):
+    """c (B, H, N) = logsumexp over valid i of (scale * q_i . k_j + b_i); backward by key blocks.
 
-    dc_j/ds_ij = exp(s_ij - c_j) (the column softmax), so grad_q = scale * sum_j g_j P_ij k_j and
-    grad_k_j = scale * sum_i g_j P_ij q_i, one (B, H, M, block) block at a time.
+    dc_j/ds_ij = P_ij = exp(s_ij + b_i - c_j) (the column softmax), so with G = g_j P_ij:
+    grad_q = scale * G k, grad_k = scale * G^T q, grad_b = sum_j G_ij; one (B, H, M, block) at a time.
     """
 
     @staticmethod
-    def forward(ctx, q, k, mask, scale):
+    def forward(ctx, q, k, bias, mask, scale):
         if _flash_lse_available(q):
-            c = _column_lse_fused(q, k, mask, scale)
+            c = _lse_fused(q, k, bias, mask, scale)
         else:
-            c = _column_lse_blocked(q, k, mask, scale)
-        if mask is not None:  # empty columns: 0 (finite), they are masked everywhere they appear
-            col_valid = mask.any(-2).expand_as(c)
-            c = torch.where(col_valid, c, torch.zeros_like(c))
-        ctx.save_for_backward(q, k, c, mask)
+            blocks = _score_blocks(q, k, bias, mask, scale)
+            c = torch.cat([_safe_logsumexp(s, -2).squeeze(-2) for _, _, s in blocks], dim=-1)
+        if mask is not None:  # empty columns: 0 (finite); they are masked wherever they appear
+            c = torch.where(mask.any(-2).expand_as(c), c, torch.zeros_like(c))
+        ctx.save_for_backward(q, k, bias, c, mask)
         ctx.scale = scale
         return c
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_c):
-        q, k, c, mask = ctx.saved_tensors
-        scale = ctx.scale
-        grad_q = torch.zeros_like(q)
-        grad_k = torch.empty_like(k)
-        for j0 in range(0, k.shape[-2], KEY_BLOCK):
-            j1 = min(j0 + KEY_BLOCK, k.shape[-2])
-            kb = k[..., j0:j1, :]
-            s = torch.matmul(q, kb.transpose(-1, -2)).mul_(scale)  # (B, H, M, b)
-            mb = _mask_block(mask, j0, j1)
-            if mb is not None:
-                s.masked_fill_(~mb, NEG_INF)
+        q, k, bias, c, mask = ctx.saved_tensors
+        grad_q, grad_k = torch.zeros_like(q), torch.empty_like(k)
+        grad_b = None if bias is None else torch.zeros_like(bias)
+        for j0, j1, s in _score_blocks(q, k, bias, mask, ctx.scale):
             g = torch.exp(s - c[..., None, j0:j1]).mul_(grad_c[..., None, j0:j1])  # (B, H, M, b)
-            grad_q.add_(torch.matmul(g, kb), alpha=scale)
-            grad_k[..., j0:j1, :] = torch.matmul(g.transpose(-1, -2), q).mul_(scale)
-        return grad_q, grad_k, None, None
+            grad_q.add_(torch.matmul(g, k[..., j0:j1, :]), alpha=ctx.scale)
+            grad_k[..., j0:j1, :] = torch.matmul(g.transpose(-1, -2), q).mul_(ctx.scale)
+            if grad_b is not None:
+                grad_b.add_(g.sum(-1))
+        return grad_q, grad_k, grad_b, None, None
 
 
 def column_logsumexp(
-    q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None = None, scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    query_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """c_j = logsumexp over valid i of scale * q_i . k_j, as (B, H, N), differentiable.
+    """c_j = logsumexp over valid i of (scale * q_i . k_j + query_bias_i), as (B, H, N), differentiable.
 
     Never holds the (M, N) matrix: a fused flash pass on CPU, key blocks elsewhere. Columns with no
-    valid query get 0. ``mask`` is bool broadcastable to (B, H, M, N).
+    valid query get 0. ``mask`` is bool broadcastable to (B, H, M, N); ``query_bias`` is (B, H, M).
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return _ColumnLogSumExp.apply(q, k, mask, scale)
+    return _QueryLogSumExp.apply(q, k, query_bias, mask, scale)
+
+
+def row_logsumexp(q, k, mask=None, scale=None, key_bias=None) -> torch.Tensor:
+    """r_i = logsumexp over valid j of (scale * q_i . k_j + key_bias_j), as (B, H, M)."""
+    mt = None if mask is None else mask.transpose(-1, -2)
+    return column_logsumexp(k, q, mt, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]), key_bias)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -443,7 +451,16 @@ def _fused_hnas(q, k, v, mask, scale, ctx):
 
 
 def _fused_sinkhorn(q, k, v, mask, scale, ctx):
-    return _fused_dnas(q, k, v, mask, scale, ctx) if ctx.iters == 1 else None
+    """Eq. (10) with potentials: pi_ij = exp(s_ij - c_j - r_i). Each half-step is one LSE pass:
+    c_j = logsumexp_i (s_ij - r_i), r_i = logsumexp_j (s_ij - c_j); the last row step is the SDPA."""
+    if ctx.causal or ctx.iters == 1:
+        return _fused_dnas(q, k, v, mask, scale, ctx)
+    r = None  # row potentials (B, H, M)
+    for step in range(ctx.iters):
+        c = column_logsumexp(q, k, mask, scale, query_bias=None if r is None else -r)  # (B, H, N)
+        if step < ctx.iters - 1:
+            r = row_logsumexp(q, k, mask, scale, key_bias=-c)
+    return _sdpa(q, k, v, mask, scale, key_bias=-c)
 
 
 FUSED: dict[str, Callable] = {

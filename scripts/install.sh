@@ -6,7 +6,7 @@
 # multi-GB CUDA build. Idempotent: a second run changes nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
+source scripts/env.sh
 
 if ! command -v chromium >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
@@ -14,8 +14,9 @@ if ! command -v chromium >/dev/null 2>&1; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
 fi
 
-$PY -m pip install -q --disable-pip-version-check "torch==2.13.0"
-$PY -m pip install -q --disable-pip-version-check -r requirements.txt -e .
+PIP=("$PY" -m pip install -q --disable-pip-version-check)
+"${PIP[@]}" "torch==2.13.0"
+"${PIP[@]}" -r requirements.txt -e .
 if [ "${1:-}" = "--test" ]; then
-  $PY -m pip install -q --disable-pip-version-check -r requirements-test.txt
+  "${PIP[@]}" -r requirements-test.txt
 fi

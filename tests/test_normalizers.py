@@ -152,6 +152,7 @@ def test_blocked_paths_match_materialized(monkeypatch):
     for causal in (False, True):
         check_against_reference(11, 2, 2, 10, 10, 4, "dnas", "padding", causal, 1, 0.5)
         check_against_reference(12, 1, 2, 9, 11, 3, "hnas", "arbitrary", causal, 1, 0.7)
+    check_against_reference(13, 2, 2, 7, 10, 3, "sinkhorn", "padding", False, 4, 0.5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -315,6 +316,16 @@ def test_gradcheck_blocked_column_lse(monkeypatch):
         finite = torch.isfinite(ref)
         torch.testing.assert_close(got[finite], ref[finite])
         assert torch.all(got[~finite] == 0)
+        b = torch.randn(1, 2, 5, generator=gen, dtype=F64, requires_grad=True)
+        assert torch.autograd.gradcheck(lambda q, k, b: attnlab.column_logsumexp(q, k, mask, query_bias=b),
+                                        (q, k, b))
+        a = torch.randn(1, 2, 7, generator=gen, dtype=F64, requires_grad=True)
+        r = nz.row_logsumexp(q, k, mask, key_bias=a)
+        s = q @ k.transpose(-1, -2) / math.sqrt(3) + a[..., None, :]
+        ref = torch.logsumexp(s.masked_fill(~mask, -math.inf), -1)
+        finite = torch.isfinite(ref)
+        torch.testing.assert_close(r[finite], ref[finite])
+        assert torch.autograd.gradcheck(lambda q, k, a: nz.row_logsumexp(q, k, mask, key_bias=a), (q, k, a))
 
 
 def test_gradients_finite_with_empty_rows_and_columns():

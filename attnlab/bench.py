@@ -1,0 +1,174 @@
+"""Benchmarks: ``attnlab bench attention | analysis | training`` (also ``python -m attnlab.bench ...``).
+
+Every figure is a ratio to a baseline measured in the same run (machines are shared and noisy), and
+each is the median of several repeats. Tests never assert speed; docs/BENCHMARKS.md records runs.
+
+attention: each variant's ``attend`` time / torch SDPA's time, for S = 512..4096 (B=1, H=12, D=64,
+float32, no grad), and peak extra memory (max RSS growth of a fresh process running one call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+# (label, variant, iters) measured by the attention benchmark
+CASES = [
+    ("sdpa", None, None),
+    ("unas", "unas", None),
+    ("dnas", "dnas", None),
+    ("hnas", "hnas", None),
+    ("sinkhorn(1)", "sinkhorn", 1),
+    ("sinkhorn(2)", "sinkhorn", 2),
+    ("sinkhorn(3)", "sinkhorn", 3),
+]
+SIZES = (512, 1024, 2048, 4096)
+B, H, D = 1, 12, 64
+
+
+def _inputs(seq: int, device: str = "cpu"):
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(B, H, seq, D, generator=gen).to(device) for _ in range(3)]
+
+
+def _call(variant, iters, q, k, v):
+    import attnlab
+
+    if variant is None:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    return attnlab.attend(q, k, v, variant, iters=iters)
+
+
+def _sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _median_time(fn, repeats: int, device: str) -> float:
+    fn()  # warm-up
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _peak_extra_mib(label: str, seq: int) -> float:
+    """Peak RSS growth (MiB) during one call, in a fresh process after its inputs and a warm-up exist.
+
+    Linux: VmHWM (the peak RSS of this process image) is reset through /proc/self/clear_refs just
+    before the call and read after it; a fresh process keeps allocator caches of other cases out.
+    """
+    variant, iters = next((v, i) for lab, v, i in CASES if lab == label)
+    code = f"""
+import torch
+from attnlab.bench import _inputs, _call
+def status(key):
+    return next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith(key)) / 1024
+with torch.no_grad():
+    _call({variant!r}, {iters!r}, *_inputs(64))
+    q, k, v = _inputs({seq})
+    before = status('VmRSS:')
+    with open('/proc/self/clear_refs', 'w') as fh:
+        fh.write('5')
+    out = _call({variant!r}, {iters!r}, q, k, v)
+    print(status('VmHWM:') - before)
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(res.stdout.strip().splitlines()[-1])
+
+
+def bench_attention(sizes=SIZES, device: str = "cpu", memory: bool = True, repeats: int = 5) -> dict:
+    """Times (s) and ratios to SDPA per size, and peak extra memory (MiB) per size (CPU only)."""
+    results = {"sizes": list(sizes), "device": device, "time_s": {}, "ratio": {}, "peak_extra_mib": {}}
+    with torch.no_grad():
+        for seq in sizes:
+            q, k, v = _inputs(seq, device)
+            reps = repeats if seq <= 2048 else max(3, repeats // 2)
+            t = {lab: _median_time(lambda v_=var, i_=it, x=(q, k, v): _call(v_, i_, *x), reps, device)
+                 for lab, var, it in CASES}
+            results["time_s"][seq] = t
+            results["ratio"][seq] = {lab: t[lab] / t["sdpa"] for lab in t}
+            print(f"S={seq}: " + "  ".join(f"{lab} {r:.2f}x" for lab, r in results["ratio"][seq].items()),
+                  flush=True)
+    if memory and device == "cpu":
+        for seq in sizes:
+            results["peak_extra_mib"][seq] = {lab: _peak_extra_mib(lab, seq) for lab, _, _ in CASES}
+            print(f"S={seq} peak extra MiB: " + "  ".join(
+                f"{lab} {m:.0f}" for lab, m in results["peak_extra_mib"][seq].items()), flush=True)
+    return results
+
+
+def machine() -> str:
+    threads = torch.get_num_threads()
+    cap = torch.backends.cpu.get_cpu_capability()
+    cpu = f"{platform.machine()} {platform.processor() or ''}".strip()
+    return f"{cpu}, torch {torch.__version__} ({cap}, {threads} threads)"
+
+
+def attention_markdown(res: dict) -> str:
+    labels = [lab for lab, _, _ in CASES]
+    lines = ["| S | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
+    for seq in res["sizes"]:
+        r = res["ratio"][seq]
+        cells = [f"{res['time_s'][seq]['sdpa'] * 1e3:.1f} ms"] + [f"{r[lab]:.2f}x" for lab in labels[1:]]
+        lines.append(f"| {seq} | " + " | ".join(cells) + " |")
+    if res["peak_extra_mib"]:
+        lines += ["", "Peak extra memory (MiB, max-RSS growth of a fresh process during one call):", "",
+                  "| S | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
+        for seq in res["sizes"]:
+            m = res["peak_extra_mib"][seq]
+            lines.append(f"| {seq} | " + " | ".join(f"{m[lab]:.0f}" for lab in labels) + " |")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("what", choices=["attention", "analysis", "training"], help="which benchmark")
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="sequence lengths (attention)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats per case (median)")
+    parser.add_argument("--json", help="also write the results as JSON to this file")
+
+
+def run(args: argparse.Namespace) -> int:
+    print(f"machine: {machine()}  device: {args.device}", flush=True)
+    if args.what == "attention":
+        sizes = tuple(int(s) for s in args.sizes.split(","))
+        res = bench_attention(sizes, args.device, memory=not args.no_memory, repeats=args.repeats)
+        print()
+        print(attention_markdown(res))
+    elif args.what == "analysis":
+        from attnlab.hf import benchmark_analysis
+
+        res = benchmark_analysis()
+        print(json.dumps(res, indent=2))
+    else:
+        from attnlab.train import benchmark_training
+
+        res = benchmark_training()
+        print(json.dumps(res, indent=2))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(res, fh, indent=2, default=str)
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m attnlab.bench", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
