@@ -19,15 +19,17 @@ import time
 
 import torch
 
-# (label, variant, iters) measured by the attention benchmark
+# (label, variant, attend keyword arguments) measured by the attention benchmark; "dnas+weights"
+# is the materializing path (what a naive implementation holds), for the memory comparison.
 CASES = [
-    ("sdpa", None, None),
-    ("unas", "unas", None),
-    ("dnas", "dnas", None),
-    ("hnas", "hnas", None),
-    ("sinkhorn(1)", "sinkhorn", 1),
-    ("sinkhorn(2)", "sinkhorn", 2),
-    ("sinkhorn(3)", "sinkhorn", 3),
+    ("sdpa", None, {}),
+    ("unas", "unas", {}),
+    ("dnas", "dnas", {}),
+    ("hnas", "hnas", {}),
+    ("sinkhorn(1)", "sinkhorn", {"iters": 1}),
+    ("sinkhorn(2)", "sinkhorn", {"iters": 2}),
+    ("sinkhorn(3)", "sinkhorn", {"iters": 3}),
+    ("dnas+weights", "dnas", {"return_weights": True}),
 ]
 SIZES = (512, 1024, 2048, 4096)
 B, H, D = 1, 12, 64
@@ -38,12 +40,12 @@ def _inputs(seq: int, device: str = "cpu"):
     return [torch.randn(B, H, seq, D, generator=gen).to(device) for _ in range(3)]
 
 
-def _call(variant, iters, q, k, v):
+def _call(variant, kwargs, q, k, v):
     import attnlab
 
     if variant is None:
         return torch.nn.functional.scaled_dot_product_attention(q, k, v)
-    return attnlab.attend(q, k, v, variant, iters=iters)
+    return attnlab.attend(q, k, v, variant, **kwargs)
 
 
 def _sync(device):
@@ -69,19 +71,19 @@ def _peak_extra_mib(label: str, seq: int) -> float:
     Linux: VmHWM (the peak RSS of this process image) is reset through /proc/self/clear_refs just
     before the call and read after it; a fresh process keeps allocator caches of other cases out.
     """
-    variant, iters = next((v, i) for lab, v, i in CASES if lab == label)
+    variant, kwargs = next((v, kw) for lab, v, kw in CASES if lab == label)
     code = f"""
 import torch
 from attnlab.bench import _inputs, _call
 def status(key):
     return next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith(key)) / 1024
 with torch.no_grad():
-    _call({variant!r}, {iters!r}, *_inputs(64))
+    _call({variant!r}, {kwargs!r}, *_inputs(64))
     q, k, v = _inputs({seq})
     before = status('VmRSS:')
     with open('/proc/self/clear_refs', 'w') as fh:
         fh.write('5')
-    out = _call({variant!r}, {iters!r}, q, k, v)
+    out = _call({variant!r}, {kwargs!r}, q, k, v)
     print(status('VmHWM:') - before)
 """
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -95,8 +97,8 @@ def bench_attention(sizes=SIZES, device: str = "cpu", memory: bool = True, repea
         for seq in sizes:
             q, k, v = _inputs(seq, device)
             reps = repeats if seq <= 2048 else max(3, repeats // 2)
-            t = {lab: _median_time(lambda v_=var, i_=it, x=(q, k, v): _call(v_, i_, *x), reps, device)
-                 for lab, var, it in CASES}
+            t = {lab: _median_time(lambda v_=var, kw=kw, x=(q, k, v): _call(v_, kw, *x), reps, device)
+                 for lab, var, kw in CASES}
             results["time_s"][seq] = t
             results["ratio"][seq] = {lab: t[lab] / t["sdpa"] for lab in t}
             print(f"S={seq}: " + "  ".join(f"{lab} {r:.2f}x" for lab, r in results["ratio"][seq].items()),
