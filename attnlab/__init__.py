@@ -14,3 +14,15 @@ from attnlab.scores import relative_positions
 
 __all__ = ["VARIANTS", "attend", "attention_weights", "column_logsumexp", "relative_positions"]
 __version__ = "0.1.0"
+
+# Submodules with heavier imports (pandas, plotly, transformers) load on first use:
+# ``attnlab.stats.column_mass(...)`` works after a plain ``import attnlab``.
+_LAZY = {"stats", "figures", "hf", "modules", "models", "train", "data", "scores", "normalizers"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return importlib.import_module(f"attnlab.{name}")
+    raise AttributeError(f"module 'attnlab' has no attribute {name!r}")

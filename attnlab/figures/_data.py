@@ -1,0 +1,71 @@
+"""Data preparation shared by every figure builder: arrays in, checked shapes, light payloads.
+
+Builders take torch tensors or numpy arrays; they are turned into float32 numpy arrays here, which
+plotly serializes as compact base64 typed arrays (not lists of numbers) in JSON and HTML.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+ZERO_WIDTH = "\u200b"
+
+
+def as_array(x, name: str, ndim: int | tuple[int, ...] | None = None) -> np.ndarray:
+    """float32 numpy array from a tensor / array / nested list; checks the number of dims."""
+    if hasattr(x, "detach"):  # torch.Tensor, without importing torch here
+        x = x.detach().float().cpu().numpy()
+    try:
+        a = np.asarray(x, dtype=np.float32)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be numeric (a tensor or an array), got {type(x).__name__}") from None
+    dims = (ndim,) if isinstance(ndim, int) else ndim
+    if dims is not None and a.ndim not in dims:
+        want = " or ".join(f"{d}-D" for d in dims)
+        raise ValueError(f"{name} must be {want}, got shape {a.shape}")
+    return a
+
+
+def check_tokens(tokens: Sequence[str] | None, n: int, name: str = "tokens") -> list[str] | None:
+    """Tokens as a list of str of length n (bertviz-style message when the lengths disagree)."""
+    if tokens is None:
+        return None
+    tokens = [str(t) for t in tokens]
+    if len(tokens) != n:
+        raise ValueError(f"attention has {n} positions, while {name} has {len(tokens)} tokens")
+    return tokens
+
+
+def unique_labels(tokens: Sequence[str]) -> list[str]:
+    """Make repeated tokens distinct for a categorical axis without changing how they look.
+
+    Plotly merges equal category labels, so the k-th repeat of a token gets k zero-width spaces.
+    """
+    seen: dict[str, int] = {}
+    out = []
+    for t in tokens:
+        k = seen.get(t, 0)
+        seen[t] = k + 1
+        out.append(t + ZERO_WIDTH * k)
+    return out
+
+
+def block_mean(maps: np.ndarray, max_size: int) -> tuple[np.ndarray, int]:
+    """Downsample (..., M, N) maps so that neither side exceeds max_size: mean over f x f blocks.
+
+    Returns (pooled (..., ceil(M/f), ceil(N/f)), f); f = 1 (no copy) when the maps are small enough.
+    Partial blocks at the edges are averaged over the entries they have.
+    """
+    m, n = maps.shape[-2:]
+    f = max(1, math.ceil(max(m, n) / max_size))
+    if f == 1:
+        return maps, 1
+    bm, bn = math.ceil(m / f), math.ceil(n / f)
+    pad = [(0, 0)] * (maps.ndim - 2) + [(0, bm * f - m), (0, bn * f - n)]
+    sums = np.pad(maps, pad).reshape(*maps.shape[:-2], bm, f, bn, f).sum((-3, -1))
+    rows = np.minimum(f, m - np.arange(bm) * f)  # entries per block row / column
+    cols = np.minimum(f, n - np.arange(bn) * f)
+    return (sums / np.outer(rows, cols)).astype(np.float32), f
