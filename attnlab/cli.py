@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+
+# Idle OpenMP threads that spin slow small torch ops down 10-60x on a shared 2-core machine; read when
+# torch first loads, which happens below (subcommand modules import torch).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # subcommand -> (module, one-line help)
 COMMANDS = {
