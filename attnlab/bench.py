@@ -53,16 +53,19 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def _median_time(fn, repeats: int, device: str) -> float:
-    fn()  # warm-up
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _interleaved_medians(fns: dict, repeats: int, device: str) -> dict:
+    """Median seconds per callable, measured in rounds that call each once (warm-up round first), so
+    that load changes on a shared machine hit every case alike."""
+    times = {name: [] for name in fns}
+    for round_ in range(repeats + 1):
+        for name, fn in fns.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            if round_:
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def _peak_extra_mib(label: str, seq: int) -> float:
@@ -97,8 +100,8 @@ def bench_attention(sizes=SIZES, device: str = "cpu", memory: bool = True, repea
         for seq in sizes:
             q, k, v = _inputs(seq, device)
             reps = repeats if seq <= 2048 else max(3, repeats // 2)
-            t = {lab: _median_time(lambda v_=var, kw=kw, x=(q, k, v): _call(v_, kw, *x), reps, device)
-                 for lab, var, kw in CASES}
+            fns = {lab: (lambda v_=var, kw=kw, x=(q, k, v): _call(v_, kw, *x)) for lab, var, kw in CASES}
+            t = _interleaved_medians(fns, reps, device)
             results["time_s"][seq] = t
             results["ratio"][seq] = {lab: t[lab] / t["sdpa"] for lab in t}
             print(f"S={seq}: " + "  ".join(f"{lab} {r:.2f}x" for lab, r in results["ratio"][seq].items()),
