@@ -159,9 +159,10 @@ def run(args: argparse.Namespace) -> int:
         res = benchmark_analysis()
         print(json.dumps(res, indent=2))
     else:
-        from attnlab.train import benchmark_training
+        from attnlab.train.config import load_recipe
+        from attnlab.train.speed import training_speed
 
-        res = benchmark_training()
+        res = training_speed(load_recipe("enc-unas"), device=args.device)
         print(json.dumps(res, indent=2))
     if args.json:
         with open(args.json, "w") as fh:
