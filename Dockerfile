@@ -16,6 +16,7 @@ RUN pip install --no-cache-dir -r requirements.txt
 COPY pyproject.toml README.md ./
 COPY attnlab ./attnlab
 COPY app ./app
+COPY .streamlit ./.streamlit
 COPY checkpoints ./checkpoints
 RUN pip install --no-cache-dir --no-deps -e .
 

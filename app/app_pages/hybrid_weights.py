@@ -1,0 +1,99 @@
+"""Hybrid weights: HNAS's per-layer u = sigmoid(θ) over training steps (live while a run trains) and
+the final u per layer and head, from a checkpoint or a metrics log (u = 1 is DNAS, u = 0 UNAS)."""
+
+import json
+
+import numpy as np
+import streamlit as st
+from appkit import runs
+from appkit.show import show_bundle
+from appkit.sources import CHECKPOINTS
+
+from attnlab.figures import app_views
+
+P = "hybrid"
+UPLOAD = "Upload a metrics.jsonl…"
+
+st.title("Hybrid weights")
+st.caption(
+    "HNAS mixes u·DNAS + (1−u)·UNAS per head, u = sigmoid(θ) learned from θ₀ = 0 (u₀ = 0.5). The "
+    "paper reports u above 0.5 in every layer, with more UNAS near the output."
+)
+
+sources = {f"{p.name} (shipped)": p for p in sorted(CHECKPOINTS.glob("*")) if (p / "metrics.jsonl").is_file()}
+sources |= {f"{r.name} (run, {r.status})": r.dir for r in runs.list_runs()}
+options = [*sources, UPLOAD]
+choice = st.selectbox(
+    "Run or checkpoint",
+    options,
+    key=f"{P}_source",
+    index=next((i for i, k in enumerate(options) if "hnas" in k), 0),
+)
+if choice == UPLOAD:
+    upload = st.file_uploader(
+        "metrics.jsonl written by attnlab train",
+        key=f"{P}_upload",
+        max_upload_size=50,
+    )
+    if upload is not None and not upload.name.endswith((".jsonl", ".json")):
+        st.error(f"{upload.name} is not a metrics log: upload the metrics.jsonl of a run.")
+        st.stop()
+    if upload is None:
+        st.info("Upload the metrics.jsonl of a run (one JSON object per line, with a 'u' field).")
+        st.stop()
+    records = []
+    for line in upload.getvalue().decode("utf-8", errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and "step" in rec:
+            records.append(rec)
+    run_dir, active = None, False
+else:
+    run_dir = sources[choice]
+    active = runs.inspect(run_dir).active if (run_dir / runs.CONFIG).is_file() else False
+
+
+def final_u(run_dir, records):
+    """(L, H) u of the latest checkpoint (attnlab.models.load), else of the last logged step."""
+    if run_dir is not None and (run_dir / "latest.json").is_file():
+        from attnlab.models import load
+
+        try:
+            return load(run_dir).hybrid_weights().numpy(), "latest checkpoint"
+        except (OSError, ValueError, KeyError, RuntimeError) as e:
+            st.warning(f"The checkpoint does not load ({e}); using the metrics log.")
+    with_u = [r for r in records if r.get("u") is not None]
+    return (
+        (np.array(with_u[-1]["u"], dtype=float), f"step {with_u[-1]['step']} of the log")
+        if with_u
+        else (None, "")
+    )
+
+
+@st.fragment(run_every=3.0 if active else None)
+def curves():
+    from attnlab.train import read_metrics
+
+    recs = read_metrics(run_dir / "metrics.jsonl") if run_dir is not None else records
+    if not any(r.get("u") is not None for r in recs):
+        st.warning("This log has no hybrid weights (no 'u' field); pick an HNAS run.")
+        return
+    if active:
+        st.caption(f"Live: step {recs[-1]['step']} (refreshes every 3 s).")
+    manifest = {"metrics": str(run_dir / "metrics.jsonl") if run_dir else "uploaded"}
+    show_bundle(P, "u_curves", app_views.hybrid_weight_curves(recs), manifest)
+    u, where = final_u(run_dir, recs)
+    if u is not None:
+        if np.isnan(u).all() or ((u == 0) | (u == 1)).all():
+            st.info("No HNAS layer here: u is fixed (0 = UNAS, 1 = DNAS, blank = Sinkhorn).")
+        show_bundle(
+            P,
+            "u_final",
+            app_views.hybrid_weight_heatmap(u, title=f"u per layer and head ({where})"),
+            manifest,
+        )
+
+
+curves()

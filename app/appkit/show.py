@@ -1,0 +1,92 @@
+"""Showing a figure built from analyses: cached bundle, chart, Export menu with its manifest."""
+
+from __future__ import annotations
+
+import json
+
+import streamlit as st
+
+from appkit.analysis import WindowView
+from appkit.export import export_menu
+from attnlab.figures import app_views
+
+CHART_CONFIG = {"displaylogo": False}
+
+
+def _as_list(views: WindowView | list[WindowView]) -> list[WindowView]:
+    return views if isinstance(views, list) else [views]
+
+
+@st.cache_resource(max_entries=12, ttl=1800, show_spinner=False)
+def _bundle(
+    keys: tuple[str, ...],
+    kind: str,
+    params_json: str,
+    labels: tuple[str, ...] | None,
+    _views: list[WindowView],
+) -> app_views.FigureBundle:
+    params = json.loads(params_json)
+    first = _views[0]
+    weights = first.weights if len(_views) == 1 else [v.weights for v in _views]
+    u = first.u if isinstance(first.u, float) else None
+    return app_views.build(kind, weights, first.tokens, params, u=u, labels=list(labels) if labels else None)
+
+
+def bundle(
+    kind: str, views: WindowView | list[WindowView], params: dict, labels: list[str] | None = None
+) -> app_views.FigureBundle:
+    """The figure of ``kind`` for these analyses (cached per inputs; arrays are not hashed)."""
+    views = _as_list(views)
+    return _bundle(
+        tuple(v.key for v in views),
+        kind,
+        json.dumps(params, sort_keys=True),
+        tuple(labels) if labels else None,
+        views,
+    )
+
+
+def manifest(
+    kind: str, views: WindowView | list[WindowView], params: dict, labels: list[str] | None = None
+) -> dict:
+    views = _as_list(views)
+    first = views[0]
+    return app_views.manifest(
+        kind,
+        params,
+        [v.source_manifest() for v in views],
+        text_sha256=first.text_sha256,
+        characters=first.characters,
+        window=first.window,
+        labels=labels,
+    )
+
+
+def show(
+    prefix: str,
+    name: str,
+    kind: str,
+    views: WindowView | list[WindowView],
+    params: dict,
+    *,
+    labels: list[str] | None = None,
+    text: str | None = None,
+    width="content",
+) -> app_views.FigureBundle:
+    """Chart (key ``{prefix}_{name}``) + Export menu. Build errors become a message on the page."""
+    try:
+        b = bundle(kind, views, params, labels)
+    except ValueError as e:
+        st.warning(f"{name}: {e}")
+        return None
+    st.plotly_chart(b.figure, key=f"{prefix}_{name}", width=width, theme=None, config=CHART_CONFIG)
+    export_menu(prefix, name, b, manifest(kind, views, params, labels), text)
+    return b
+
+
+def show_bundle(
+    prefix: str, name: str, b: app_views.FigureBundle, manifest: dict | None = None, *, width="content"
+) -> None:
+    """A figure not built from an analysis (training curves, embeddings) + its Export menu."""
+    st.plotly_chart(b.figure, key=f"{prefix}_{name}", width=width, theme=None, config=CHART_CONFIG)
+    export_menu(prefix, name, b, manifest)

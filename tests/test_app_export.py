@@ -1,0 +1,160 @@
+"""The app's figure builders and exports (attnlab.figures.app_views), and the round trip
+manifest -> `attnlab analyze` -> reproduce_figure -> the same figure data."""
+
+from __future__ import annotations
+
+import io
+import json
+import shlex
+import struct
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from attnlab.figures import app_views as av
+from attnlab.figures import export
+
+
+def softmax_weights(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.softmax(torch.randn(*shape, generator=g) * 2, -1).numpy()
+
+
+TOKENS = ["[CLS]", "the", "cat", "the", "mat", "[SEP]"]
+W = {"unas": softmax_weights(2, 3, 6, 6), "dnas": softmax_weights(2, 3, 6, 6, seed=1)}
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    """(width, height) of a PNG, checking the signature and the IHDR chunk's CRC."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    length, kind = struct.unpack(">I4s", data[8:16])
+    assert kind == b"IHDR" and length == 13
+    assert struct.unpack(">I", data[29:33])[0] == zlib.crc32(data[12:29])
+    return struct.unpack(">II", data[16:24])
+
+
+def test_tiled_grid_is_one_trace_with_gutters():
+    fig = av.attention_grid_tiled(W["unas"], TOKENS)
+    assert len(fig.data) == 1
+    z = np.asarray(fig.data[0].z, dtype=float)
+    assert z.shape == (2 * 7 - 1, 3 * 7 - 1)
+    np.testing.assert_array_equal(z[:6, 7:13], W["unas"][0, 1])  # layer 0, head 1
+    assert np.isnan(z[6]).all() and np.isnan(z[:, 6]).all()  # gutters
+    assert len(set(fig.data[0].x)) == len(fig.data[0].x)  # unique hover labels
+    assert [a.text for a in fig.layout.annotations] == ["head 0", "head 1", "head 2", "layer 0", "layer 1"]
+    big = av.attention_grid_tiled(softmax_weights(1, 2, 300, 300), max_tokens=64)
+    assert np.asarray(big.data[0].z).shape == (60, 121) and "5x5 token blocks" in big.layout.title.text
+
+
+def test_builders_of_every_kind():
+    for kind, params in [
+        ("grid", {"variant": "unas"}),
+        ("heatmap", {"variant": "dnas", "layer": 1, "head": 2}),
+        ("head_view", {"variant": "unas", "layer": 0, "head": 0, "min_weight": 0.0}),
+        ("token_mass", {"variant": "unas", "layer": 1, "head": None}),
+        ("column_mass", {"variants": ["unas", "dnas"], "layer": None}),
+        ("explained_away", {"eps": 0.5}),
+    ]:
+        b = av.build(kind, W, TOKENS, params, u=0.5)
+        assert b.figure.data and len(b.table) > 0, kind
+    b = av.build("token_mass", W, TOKENS, {"variant": "unas", "layer": 1, "head": None})
+    np.testing.assert_allclose(b.table["column_mass"], W["unas"][1].sum(-2).mean(0), rtol=1e-6)
+    hv = av.build("head_view", W, TOKENS, {"variant": "unas", "layer": 0, "head": 0, "min_weight": 0.0})
+    drawn = sum(
+        np.isfinite(np.asarray(t.x, dtype=float)).sum() // 2 for t in hv.figure.data if t.mode == "lines"
+    )
+    assert drawn == 36  # every (query, key) pair is one segment
+    d = av.build("difference", [W, W], TOKENS, {"variants": ["unas", "dnas"], "layer": 0, "head": 1})
+    np.testing.assert_allclose(d.arrays["difference"], W["unas"][0, 1] - W["dnas"][0, 1])
+    js = av.build("js_distance", [W, W], TOKENS, {"variants": ["unas", "unas"]})
+    np.testing.assert_allclose(js.arrays["js_distance"], 0.0, atol=2e-3)
+    over = av.build(
+        "column_mass", [W, W], TOKENS, {"variants": ["unas", "dnas"], "layer": 0}, labels=["A", "B"]
+    )
+    assert [t.name for t in over.figure.data][:2] == ["A · unas", "B · dnas"]
+    with pytest.raises(ValueError, match="kind must be one of"):
+        av.build("pie", W, TOKENS, {})
+
+
+def test_joint_query_key_keeps_every_softmax():
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(7, 4, generator=g).numpy(), torch.randn(7, 4, generator=g).numpy() + 3.0
+    q2, k2 = av.joint_query_key(q, k)
+    np.testing.assert_allclose(
+        torch.softmax(torch.from_numpy(q2 @ k2.T), -1),
+        torch.softmax(torch.from_numpy(q @ k.T), -1),
+        atol=1e-5,
+    )
+    np.testing.assert_allclose(q2.mean(0) * 0 + k2.mean(0), k2.mean(0))
+    assert av.pca_2d(np.vstack([q2, k2])).shape == (14, 2)
+
+
+def test_most_explained_away_ranks_starved_keys():
+    w = np.full((1, 1, 4, 4), 0.25, dtype=np.float32)
+    w[..., 3] = 0.0
+    w[..., 0] = 0.5  # key 3 gets nothing, key 0 twice its share
+    table = av.most_explained_away(w, ["a", "b", "c", "d"], eps=0.1)
+    assert table.iloc[0]["token"] == "d" and table.iloc[0]["share_of_heads"] == 1.0
+
+
+def test_data_bytes_and_html():
+    b = av.build("heatmap", W, TOKENS, {"variant": "unas", "layer": 0, "head": 0})
+    with np.load(io.BytesIO(av.data_bytes(b, "npz")), allow_pickle=False) as npz:
+        np.testing.assert_array_equal(npz["unas"], W["unas"][0, 0])
+        assert list(npz["tokens"]) == TOKENS
+    csv = av.data_bytes(b, "csv").decode()
+    assert csv.splitlines()[0] == "query,key,weight" and len(csv.splitlines()) == 37
+    html = av.figure_bytes(b.figure, "html")
+    assert b"<html>" in html[:100] and b"plotly" in html
+
+
+@pytest.mark.skipif(not export.chromium_available(), reason="Chromium not found: static export untestable")
+def test_static_export_is_a_valid_image():
+    b = av.build("grid", W, TOKENS, {"variant": "unas"})
+    width, height = png_size(av.figure_bytes(b.figure, "png"))
+    assert (width, height) == (b.figure.layout.width, b.figure.layout.height)
+    assert av.figure_bytes(b.figure, "pdf").startswith(b"%PDF")
+    assert b"<svg" in av.figure_bytes(b.figure, "svg")[:200]
+
+
+def test_manifest_reproduces_the_figure_through_attnlab_analyze(tmp_path, monkeypatch):
+    """The app's heatmap / grid / explained-away data == what the manifest's command + reproduce_figure
+    give, on the embedded MiniLM (the same numbers, not just the same kind of figure)."""
+    from attnlab import cli, hf
+
+    text = "The quick brown fox jumps over the lazy dog, and the dog explains it away."
+    settings = {"variants": ["unas", "dnas"], "mode": "recompute", "u": 0.5, "iters": 3}
+    result = hf.analyze(text, None, variants=settings["variants"], iters=3)
+    weights = {v: w.numpy() for v, w in result.weights.items()}
+    source = {
+        "label": "MiniLM",
+        "model": result.model.as_dict(),
+        "settings": {**settings, "window": result.windowing.window},
+    }
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "text.txt").write_text(text, encoding="utf-8")
+    specs = [
+        ("heatmap", {"variant": "dnas", "layer": 3, "head": 5}),
+        ("grid", {"variant": "unas"}),
+        ("explained_away", {"eps": 0.2, "variants": ["unas", "dnas"]}),
+    ]
+    manifests = [
+        av.manifest(k, p, [source], text_sha256=result.text_sha256, characters=len(text), window=0)
+        for k, p in specs
+    ]
+    command = shlex.split(manifests[0]["reproduce"]["commands"][0])
+    assert command[:3] == ["attnlab", "analyze", "text.txt"] and "--model" not in command  # embedded
+    assert cli.main(command[1:] + ["--quiet"]) == 0
+    for (kind, params), m in zip(specs, manifests, strict=True):
+        (tmp_path / "manifest.json").write_text(json.dumps(m))
+        again = av.reproduce_figure("manifest.json", ["attnlab-out"])
+        shown = av.build(kind, weights, result.tokens, params, u=0.5)
+        for a, b in zip(shown.figure.data, again.figure.data, strict=True):
+            np.testing.assert_allclose(np.asarray(a.z, dtype=float), np.asarray(b.z, dtype=float), atol=1e-5)
+        assert shown.figure.layout.title.text == again.figure.layout.title.text
+    m = json.loads((tmp_path / "manifest.json").read_text())
+    m["input"]["sha256"] = "0" * 64
+    with pytest.raises(ValueError, match="sha256"):
+        av.reproduce_figure(m, ["attnlab-out"])
