@@ -638,16 +638,48 @@ def _check_table_args(weights, valid, special, u):
         _check_bool("special", special, torch.Size((N,)), "keys (N,)")
         if special.shape != (N,):
             raise ValueError(f"special must have shape ({N},), got {tuple(special.shape)}")
+    return ws, (L, H, M, N), _u_table(u, L, H)
+
+
+def _u_table(u, L: int, H: int) -> torch.Tensor:
+    """u (float or tensor broadcastable to (L, H)) -> float64 (L, H); ValueError if it is not."""
     if isinstance(u, torch.Tensor):
         try:
-            u = torch.broadcast_to(u.detach().double(), (L, H))
+            return torch.broadcast_to(u.detach().double(), (L, H))
         except RuntimeError:
             raise ValueError(f"u must be a float or broadcastable to (L, H) = ({L}, {H}), got shape "
                              f"{tuple(u.shape)}") from None
-    else:
-        hnas_bound(u, 1)  # validates u
-        u = torch.full((L, H), float(u), dtype=torch.float64)
-    return ws, (L, H, M, N), u
+    hnas_bound(u, 1)  # validates u
+    return torch.full((L, H), float(u), dtype=torch.float64)
+
+
+def _tidy_from_row_sums(
+    raw: Mapping[str, dict], shape: tuple[int, int, int, int], *, special_index: int | None, u, eps,
+    eps_relative, reference: str | None, window=None,
+) -> pd.DataFrame:
+    """``tidy_table`` from row sums already computed (``_row_sums`` layout, one dict per variant over
+    L*H maps; the reference's ``js`` is None): what ``attnlab.hf`` computes while it builds the
+    weights. Same rows, columns and values as ``tidy_table`` on those weights."""
+    L, H, M, N = shape
+    eps, eps_relative = _check_eps("eps", eps), _check_eps("eps_relative", eps_relative)
+    u = _u_table(u, L, H)
+    names = list(raw)
+    if reference not in raw:
+        reference = None
+    if not (M and N):
+        return _to_frame(_empty_statistics(names, reference, special_index, L, H), names, L, H, window)
+    V = len(names)  # every variant at once: (V * L, H) "layers"
+    first = raw[names[0]]
+    stacked = {
+        key: None if first[key] is None and key != "js" else torch.stack(
+            [raw[n][key] if raw[n][key] is not None else first["entropy"].new_zeros(first["entropy"].shape)
+             for n in names]
+        ).flatten(0, 1)
+        for key in first
+    }
+    both = _summarize(stacked, V * L, H, M, N, u.repeat(V, 1), eps, eps_relative, reference, special_index)
+    per_variant = {name: {k: t[i * L : (i + 1) * L] for k, t in both.items()} for i, name in enumerate(names)}
+    return _to_frame(per_variant, names, L, H, window)
 
 
 @torch.no_grad()
@@ -693,14 +725,20 @@ def tidy_table(
         reference = None
     if not (M and N):
         return _to_frame(_empty_statistics(names, reference, special, L, H), names, L, H, window)
-    per_variant, ref_entropy = {}, None
+    spec = None if special is None else special[:, None]  # (N, 1)
+    dist = None
+    raw, ref_entropy = {}, None
     for name in sorted(names, key=lambda n: n != reference):  # the reference first
-        per_variant[name], h = _head_statistics(
-            ws[name], special, positions, u, eps, eps_relative,
-            ref=None if reference is None else (reference, ws[reference], ref_entropy),
-        )
+        w = ws[name]
+        dist = _distance_matrix(M, N, w, positions) if dist is None or dist.dtype != w.dtype else dist
+        js_ref = None if reference is None or name == reference else (ws[reference], ref_entropy)
+        raw[name] = _row_sums(w.reshape(L * H, M, N), spec, dist, js_ref)
         if name == reference:
-            ref_entropy = h
+            ref_entropy = raw[name]["entropy"]
+    index = None if spec is None else 0
+    per_variant = {
+        name: _summarize(raw[name], L, H, M, N, u, eps, eps_relative, reference, index) for name in names
+    }
     return _to_frame(per_variant, names, L, H, window)
 
 
@@ -717,29 +755,33 @@ def _blocks(maps: int, m: int, n: int, itemsize: int):
             yield g0, min(g0 + g, maps), i0, min(i0 + r, m)
 
 
-def _head_statistics(w, special, positions, u, eps, eps_relative, ref):
-    """({statistic: (L, H)}, row entropies (L*H, M)) of one variant's weights (L, H, M, N).
+def _row_sums(maps, spec, dist, ref) -> dict:
+    """Per-row and per-column sums of (G, M, N) maps, from which ``_summarize`` derives every statistic.
 
-    The (L*H, M) rows are processed in blocks of about CHUNK_BYTES per torch thread, vectorized over
-    the maps and rows of a block: every pass over a block then runs in the CPUs' L2 caches, several
-    times faster than streaming whole (L, H, M, N) tensors through memory once per statistic.
-    ``ref`` = (name, reference weights, its row entropies or None when w is the reference).
+    -> {"cols": (G, N) column masses, "rowsum": (G, M), "entropy": (G, M) -sum_j x ln x (nats),
+    "distance": (G, M) sum_j x |i - j|, "special": (G, M, S) mass on each of the S key masks in
+    ``spec`` (N, S) (None without), "js": (G, M) Jensen-Shannon distance (base 2) to the reference
+    rows (None for the reference itself)}. ``dist``: (M, N) |pos_i - pos_j|; ``ref``: None, or
+    (reference maps of the same shape (any view reshapeable to (G, M, N)), their row entropies).
+
+    The G*M rows are processed in blocks of about CHUNK_BYTES per torch thread, vectorized over the
+    maps and rows of a block: every pass over a block then runs in the CPUs' L2 caches, several times
+    faster than streaming whole tensors through memory once per statistic.
     """
-    L, H, M, N = w.shape
-    maps = w.reshape(L * H, M, N)  # a view when contiguous
-    dist = _distance_matrix(M, N, w, positions)  # (M, N) |i - j|
-    spec = None if special is None else special.to(w.dtype)
-    js = ref is not None and ref[2] is not None
-    ref_maps = ref[1].reshape(L * H, M, N) if js else None
-    log_tiny = math.log(torch.finfo(w.dtype).tiny)  # ln 0 -> ln tiny, so that 0 ln 0 = 0
-    blocks = list(_blocks(L * H, M, N, w.element_size()))
+    G, M, N = maps.shape
+    spec = None if spec is None else spec.to(maps.dtype)
+    js = ref is not None
+    ref_maps = ref[0].reshape(G, M, N) if js else None
+    log_tiny = math.log(torch.finfo(maps.dtype).tiny)  # ln 0 -> ln tiny, so that 0 ln 0 = 0
+    blocks = list(_blocks(G, M, N, maps.element_size()))
     g, r = blocks[0][1] - blocks[0][0], blocks[0][3] - blocks[0][2]
-    s1 = torch.empty((g, r, N), dtype=w.dtype)
+    s1 = torch.empty((g, r, N), dtype=maps.dtype)
     s2 = torch.empty_like(s1) if js else None
-    cols = w.new_zeros(L * H, N)
-    # per row: sum_j x ln x, sum_j x, sum_j x |i - j|, special mass, sum_j mix ln mix (JS mixture)
-    xlogx, rowsum, distance, special_mass, mlogm = (w.new_zeros(L * H, M) for _ in range(5))
-    for g0, g1, i0, i1 in blocks:  # few torch ops per block: the loop runs ~L*H*M*N*4/CHUNK_BYTES times
+    cols = maps.new_zeros(G, N)
+    # per row: sum_j x ln x, sum_j x, sum_j x |i - j|, sum_j mix ln mix (JS mixture); special masses
+    xlogx, rowsum, distance, mlogm = (maps.new_zeros(G, M) for _ in range(4))
+    special_mass = None if spec is None else maps.new_zeros(G, M, spec.shape[-1])
+    for g0, g1, i0, i1 in blocks:  # few torch ops per block: the loop runs ~G*M*N*4/CHUNK_BYTES times
         x = maps[g0:g1, i0:i1]  # (g, r, N)
         a = s1[: g1 - g0, : i1 - i0]
         if i1 - i0 == M:
@@ -751,26 +793,37 @@ def _head_statistics(w, special, positions, u, eps, eps_relative, ref):
         torch.sum(a, -1, out=xlogx[g0:g1, i0:i1])
         torch.sum(torch.mul(x, dist[i0:i1], out=a), -1, out=distance[g0:g1, i0:i1])
         if spec is not None:
-            torch.matmul(x, spec, out=special_mass[g0:g1, i0:i1])
+            special_mass[g0:g1, i0:i1] = torch.matmul(x, spec)
         if js:
             b = s2[: g1 - g0, : i1 - i0]
             torch.add(x, ref_maps[g0:g1, i0:i1], out=a).mul_(0.5)  # the mixture (p + q) / 2
             torch.log(a, out=b).clamp_min_(log_tiny).mul_(a)
             torch.sum(b, -1, out=mlogm[g0:g1, i0:i1])
-    entropy = xlogx.neg_()  # (L*H, M)
+    entropy = xlogx.neg_()  # (G, M)
+    js_d = None
     if js:  # JSD = H(mix) - (H(p) + H(q)) / 2, in bits; distance = sqrt(JSD), as in _js_rows
-        jsd = (-mlogm - 0.5 * (entropy + ref[2])) / LN2
+        jsd = (-mlogm - 0.5 * (entropy + ref[1])) / LN2
         js_d = jsd.clamp_(0.0, 1.0).sqrt_()
+    return {"cols": cols, "rowsum": rowsum, "entropy": entropy, "distance": distance,
+            "special": special_mass, "js": js_d}
+
+
+def _summarize(raw: dict, L, H, M, N, u, eps, eps_relative, reference, special_index) -> dict:
+    """{statistic: (L, H)} from the row sums of ``_row_sums`` for L*H maps of M valid rows and N valid
+    keys; ``special_index`` picks the key mask of ``special_mass`` (None: no special_mass);
+    ``reference``: the name in ``js_to_<reference>`` (None: no JS statistic)."""
+    cols = raw["cols"]
     per_head = lambda t: t.mean(-1).reshape(L, H)  # noqa: E731  mean over the M rows
-    out = _column_statistics(cols.reshape(L, H, N), N, M, eps, eps_relative, u.to(w.dtype))
-    out["row_entropy"] = per_head(entropy)
-    out["attention_distance"] = per_head(distance)
-    if spec is not None:
-        out["special_mass"] = per_head(special_mass)
-    out["ds_row_dev_max"] = (rowsum - 1.0).abs().amax(-1).reshape(L, H)
-    if ref is not None:  # 0 for the reference itself
-        out[f"js_to_{ref[0]}"] = per_head(js_d) if js else w.new_zeros(L, H)
-    return out, entropy
+    out = _column_statistics(cols.reshape(L, H, N), N, M, eps, eps_relative, u.to(cols.dtype))
+    out["row_entropy"] = per_head(raw["entropy"])
+    out["attention_distance"] = per_head(raw["distance"])
+    if special_index is not None:
+        out["special_mass"] = per_head(raw["special"][..., special_index])
+    out["ds_row_dev_max"] = (raw["rowsum"] - 1.0).abs().amax(-1).reshape(L, H)
+    if reference is not None:  # 0 for the reference itself
+        js = raw["js"]
+        out[f"js_to_{reference}"] = per_head(js) if js is not None else cols.new_zeros(L, H)
+    return out
 
 
 def _empty_statistics(names, reference, special, L, H):

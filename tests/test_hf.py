@@ -14,7 +14,7 @@ from conftest import CAUSAL_ARCHS, CORPUS, TINY_ARCHS, TINY_POSITIONS, build_tin
 from transformers import AttentionInterface, AttentionMaskInterface
 
 from attnlab import VARIANTS, attention_weights, hf
-from attnlab.hf.weights import _variants_unmasked
+from attnlab.hf.weights import _POOL, _variants_unmasked
 
 TEXTS = ("The quick brown fox jumps over the lazy dog.", "Attention that does not explain away.")
 
@@ -449,3 +449,90 @@ def test_variant_settings_from_forward_kwargs_and_module_attributes(minilm):
         torch.testing.assert_close(layer0("sinkhorn"), layer0("dnas"))
     finally:
         del attention.attnlab_iters
+
+
+# ----------------------------------------------------------------------------------------------
+# Statistics computed with the weights (fused path) and recycled weight memory
+# ----------------------------------------------------------------------------------------------
+
+
+def _assert_tables_close(fast, slow):
+    assert list(fast.columns) == list(slow.columns)
+    keys = ["variant", "layer", "head", "statistic"]
+    assert (fast[keys].values == slow[keys].values).all()
+    torch.testing.assert_close(
+        torch.tensor(fast["value"].values), torch.tensor(slow["value"].values), rtol=1e-4, atol=2e-5
+    )
+
+
+@pytest.mark.parametrize("u", [0.5, "per_head"])
+def test_fused_statistics_equal_tidy_table_on_the_weights(minilm, english_text, u):
+    from attnlab import stats
+
+    if u == "per_head":
+        u = torch.linspace(0.0, 1.0, 72).reshape(6, 12)
+    result = hf.analyze(english_text, minilm, window=128, u=u)
+    w = result.windows[0]
+    assert w._sums is not None  # the fused path ran
+    for include in (True, False):
+        special = w.special | w.punctuation if include else w.special
+        slow = stats.tidy_table(w.weights, special=special, u=u, window=w.index)
+        _assert_tables_close(w.table(include_punctuation=include), slow)
+    slow = stats.tidy_table(w.weights, special=w.special | w.punctuation, u=0.3, eps=0.02, eps_relative=0.5,
+                            window=w.index)
+    _assert_tables_close(w.table(u=0.3, eps=0.02, eps_relative=0.5), slow)
+    no_ref = stats.tidy_table(w.weights, special=w.special | w.punctuation, u=u, reference="dnas",
+                              window=w.index)
+    _assert_tables_close(w.table(reference="dnas"), no_ref)  # not cached: recomputed
+
+
+def test_fused_path_handles_a_wide_head_and_matches_the_separate_computations():
+    from attnlab import stats
+    from attnlab.hf.weights import _variants_with_sums
+
+    torch.manual_seed(0)
+    L, H, N, D = 2, 3, 24, 8
+    q, k = torch.randn(L, 1, H, N, D), torch.randn(L, 1, H, N, D)
+    q[1, 0, 2] *= 12.0  # scores spanning far more than LINEAR_SPAN_MAX nats: the log-space path
+    special = torch.zeros(N, dtype=torch.bool)
+    special[[0, 5]] = True
+    weights, sums = _variants_with_sums(q, k, [0.5, 0.4], VARIANTS, 0.5, 3, [special])
+    expected = _variants_unmasked(q, k, [0.5, 0.4], VARIANTS, 0.5, 3)
+    ws = {v: weights[v][:, 0] for v in VARIANTS}
+    for v in VARIANTS:
+        torch.testing.assert_close(ws[v], expected[v][:, 0], atol=1e-5, rtol=0)
+    fast = stats._tidy_from_row_sums(sums, (L, H, N, N), special_index=0, u=0.5, eps=0.01, eps_relative=0.1,
+                                     reference="unas")
+    _assert_tables_close(fast, stats.tidy_table(ws, special=special, u=0.5))
+
+
+def test_table_recomputes_after_the_weights_change(minilm):
+    from attnlab import stats
+
+    result = hf.analyze("The cat sat on the mat because it was tired.", minilm)
+    w = result.windows[0]
+    w.weights["dnas"].mul_(0.5)  # in place: the statistics computed with the weights are stale
+    special = w.special | w.punctuation
+    _assert_tables_close(w.table(), stats.tidy_table(w.weights, special=special, window=0))
+    w.weights["unas"] = w.weights["unas"].clone()
+    _assert_tables_close(w.table(), stats.tidy_table(w.weights, special=special, window=0))
+
+
+def test_weight_memory_is_recycled_only_once_released(minilm):
+    import gc
+
+    text = "The cat sat on the mat because it was tired."
+    threads = torch.get_num_threads()
+    first = hf.analyze(text, minilm)
+    kept = {v: t.clone() for v, t in first.weights.items()}
+    second = hf.analyze(text + " It slept.", minilm)  # while `first` is alive: its memory is not lent
+    for v, t in kept.items():
+        assert torch.equal(first.weights[v], t)
+    pointers = {t.data_ptr() for t in second.weights.values()}
+    del second
+    gc.collect()
+    pool = {slab.ctypes.data for slab in _POOL.free}
+    assert pointers <= pool  # released: back in the pool
+    third = hf.analyze(text + " It slept.", minilm)  # same size: released memory is reused
+    assert {t.data_ptr() for t in third.weights.values()} <= pool
+    assert torch.get_num_threads() == threads

@@ -19,7 +19,7 @@ import torch
 
 from attnlab.hf.interface import DEFAULT_ITERS, DEFAULT_U
 from attnlab.hf.loading import LoadedModel, ModelInfo, load_model
-from attnlab.hf.weights import batch_weights, check_arguments
+from attnlab.hf.weights import check_arguments, window_weights_and_sums
 from attnlab.hf.windows import (
     MAX_DEFAULT_WINDOW,
     TokenizedText,
@@ -53,6 +53,10 @@ class WindowResult:
     window: Window  # tokens, word ids, special/punctuation flags, character spans
     weights: dict[str, torch.Tensor]  # variant -> (L, H, N, N); rows sum to 1
     u: float | torch.Tensor = DEFAULT_U  # HNAS weight used (for the u/N bound)
+    # Row sums for the statistics, computed together with the weights (attnlab.hf.weights): (sums,
+    # special-key masks they cover, the weights' (id, version) when computed). Used by ``table``
+    # while the weights are those very tensors, unchanged.
+    _sums: tuple | None = field(default=None, repr=False, compare=False)
 
     @property
     def index(self) -> int:
@@ -82,7 +86,35 @@ class WindowResult:
 
         special = self.special | self.punctuation if include_punctuation else self.special
         kwargs.setdefault("u", _u_for_stats(self.u))
+        cached = None
+        if set(kwargs) <= {"u", "eps", "eps_relative", "reference"}:
+            cached = self._cached_sums(special, kwargs.get("reference", "unas"))
+        if cached is not None:
+            sums, index = cached
+            w = next(iter(self.weights.values()))
+            return stats._tidy_from_row_sums(
+                sums, tuple(w.shape), special_index=index, u=kwargs["u"], eps=kwargs.get("eps", 0.01),
+                eps_relative=kwargs.get("eps_relative", 0.1), reference=kwargs.get("reference", "unas"),
+                window=self.index,
+            )
         return stats.tidy_table(self.weights, special=special, window=self.index, **kwargs)
+
+    def _cached_sums(self, special: torch.Tensor, reference):
+        """(row sums, index of ``special`` among their key masks) when they describe the current
+        weights and the requested statistics; None otherwise (tidy_table recomputes)."""
+        if self._sums is None or reference != "unas":
+            return None
+        sums, masks, fingerprint = self._sums
+        if list(sums) != list(self.weights) or fingerprint != _fingerprint(self.weights):
+            return None
+        for i, m in enumerate(masks):
+            if torch.equal(m, special):
+                return sums, i
+        return None
+
+
+def _fingerprint(weights: dict[str, torch.Tensor]) -> tuple:
+    return tuple((name, id(w), w._version, tuple(w.shape), w.dtype) for name, w in weights.items())
 
 
 @dataclass
@@ -215,8 +247,14 @@ class AnalysisStream:
     def __iter__(self) -> Iterator[WindowResult]:
         for window in iter_windows(self.loaded.tokenizer, self.text, self.tokenized, self.windowing):
             ids = torch.tensor([window.input_ids])  # (1, N)
-            weights = batch_weights(self.loaded, ids, None, self.variants, self.mode, self.u, self.iters)
-            yield WindowResult(window=window, weights={v: w[:, 0] for v, w in weights.items()}, u=self.u)
+            special = torch.from_numpy(window.special)
+            masks = [special | torch.from_numpy(window.punctuation), special]  # table()'s two choices
+            weights, sums = window_weights_and_sums(
+                self.loaded, ids, self.variants, self.mode, self.u, self.iters, masks
+            )
+            weights = {v: w[:, 0] for v, w in weights.items()}
+            cache = None if sums is None else (sums, masks, _fingerprint(weights))
+            yield WindowResult(window=window, weights=weights, u=self.u, _sums=cache)
 
     def collect(self, progress: bool = False) -> AnalysisResult:
         """Run every window and keep the results."""

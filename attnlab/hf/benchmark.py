@@ -40,9 +40,10 @@ def benchmark_analysis(n_tokens: int = 512, repeats: int = 5, model=None, thread
     statistic of ``attnlab.stats.tidy_table``) and the model's plain forward time, in one run.
 
     Returns medians in seconds: ``analyse_s`` (tokenize, forward with capture, weights, statistics),
-    ``weights_s`` (the same without statistics), ``statistics_s``, ``forward_s`` (the model's own
-    forward on the same tokens) and ``ratio_to_forward`` = analyse_s / forward_s. ``threads`` sets
-    torch's CPU threads for the run (restored afterwards).
+    ``weights_s`` (``analyze`` alone: it computes the statistics' row sums together with the weights),
+    ``statistics_s`` (``table()`` from those sums), ``forward_s`` (the model's own forward on the same
+    tokens) and ``ratio_to_forward`` = analyse_s / forward_s. ``threads`` sets torch's CPU threads for
+    the run (restored afterwards).
     """
     previous_threads = torch.get_num_threads()
     if threads:

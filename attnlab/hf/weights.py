@@ -12,9 +12,12 @@ layer; masked ones (padding, causal models) use :func:`attnlab.attention_weights
 
 from __future__ import annotations
 
+import math
 import os
+import threading
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from attnlab.hf.interface import DEFAULT_ITERS, DEFAULT_U, CapturedLayer, capture_qk, use_variant
@@ -22,6 +25,8 @@ from attnlab.hf.loading import LoadedModel, load_model
 from attnlab.normalizers import VARIANTS, attention_weights, column_logsumexp
 
 __all__ = ["MODES", "LINEAR_SPAN_MAX", "batch_weights"]
+
+LN2 = math.log(2.0)
 
 MODES = ("recompute", "swap")
 
@@ -75,6 +80,16 @@ def _u_per_layer(u, n_layers: int, n_heads: int):
 
 
 def _recompute(loaded: LoadedModel, input_ids, attention_mask, variants, u, iters) -> dict[str, torch.Tensor]:
+    return _recompute_with_sums(loaded, input_ids, attention_mask, variants, u, iters)[0]
+
+
+def _recompute_with_sums(loaded, input_ids, attention_mask, variants, u, iters, specials=None):
+    """-> (weights as in :func:`_recompute`, row sums of every variant for the tidy table or None).
+
+    The row sums (``attnlab.stats._row_sums`` layout over L*H maps, special-token masses for each
+    mask of ``specials``) come with the fused path only: one unmasked text (B = 1) of a bidirectional
+    model, with ``specials`` given (a list of bool (N,) key masks).
+    """
     with capture_qk(loaded.model) as captured:
         loaded.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     valid = attention_mask.bool()  # (B, N)
@@ -88,12 +103,14 @@ def _recompute(loaded: LoadedModel, input_ids, attention_mask, variants, u, iter
     u_l = _u_per_layer(u, len(captured), q.shape[2])
     masks = [_layer_mask(c, valid) for c in captured]
     if not causal and all(m is None for m in masks):
-        return _variants_unmasked(q, k, scale, variants, u_l, iters)
+        if specials is not None and q.shape[1] == 1:
+            return _variants_with_sums(q, k, scale, variants, u_l, iters, specials)
+        return _variants_unmasked(q, k, scale, variants, u_l, iters), None
     B, N = valid.shape
     everything = torch.ones(B, 1, N, N, dtype=torch.bool)  # a layer without a mask
     mask = torch.stack([everything if m is None else m for m in masks])  # (L, B, 1, N, N)
     scores = torch.matmul(q, k.transpose(-1, -2)).mul_(torch.tensor(scale).reshape(-1, 1, 1, 1, 1))
-    return {  # (L, B, H, N, N) each
+    weights = {  # (L, B, H, N, N) each
         variant: attention_weights(
             scores,
             variant,
@@ -104,6 +121,7 @@ def _recompute(loaded: LoadedModel, input_ids, attention_mask, variants, u, iter
         )
         for variant in variants
     }
+    return weights, None
 
 
 def _augment(x: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
@@ -169,6 +187,287 @@ def _variants_unmasked(q, k, scale, variants, u, iters) -> dict[str, torch.Tenso
             _layer_linear(s, **targets)
             _heads_log(s_wide, ql[wide][None], kl[wide][None], scale[layer], wide, targets)
     return out
+
+
+class _Lease:
+    """Memory of one weight tensor lent from ``_POOL``: numpy arrays made from it (and the tensors made
+    from those) keep it alive; when the last one is gone it goes back to the pool."""
+
+    def __init__(self, slab: np.ndarray):
+        self.slab = slab
+        self.__array_interface__ = slab.__array_interface__
+
+    def __del__(self):
+        try:
+            _POOL.give_back(self.slab)
+        except Exception:  # noqa: BLE001 -- interpreter shutdown: nothing to keep
+            pass
+
+
+class _WeightPool:
+    """Recycles the memory of released (L, B, H, N, N) weight tensors for the next window.
+
+    Writing ~300 MB of weights into fresh memory costs a page fault per 4 KiB (a third of a window's
+    analysis); texts are analysed window after window and each window's weights are usually dropped
+    before the next, so their memory is kept (at most ``max_bytes``) and reused. Tensors lent are
+    ordinary CPU tensors (views of numpy arrays): the memory returns here only once no tensor uses it.
+    """
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.free: list[np.ndarray] = []
+        # re-entrant: a lease may come back (garbage collection) while this thread holds the lock
+        self.lock = threading.RLock()
+
+    def empty(self, shape: tuple[int, ...]) -> torch.Tensor:
+        n = math.prod(shape)
+        if n * 4 > self.max_bytes:
+            return torch.empty(shape)
+        slab = None
+        with self.lock:
+            for i in range(len(self.free)):
+                if self.free[i].size == n:
+                    slab = self.free.pop(i)
+                    break
+        if slab is None or slab.size != n:
+            slab = np.empty(n, dtype=np.float32)
+        return torch.from_numpy(np.asarray(_Lease(slab))).view(shape)
+
+    def give_back(self, slab: np.ndarray) -> None:
+        if slab.nbytes > self.max_bytes:
+            return
+        with self.lock:
+            kept = sum(s.nbytes for s in self.free)
+            while self.free and kept + slab.nbytes > self.max_bytes:  # the oldest go first
+                kept -= self.free.pop(0).nbytes
+            self.free.append(slab)
+
+
+_POOL = _WeightPool(max_bytes=512 << 20)
+
+# Heads per group of the fused path: a group's scores, exponentials and scratch stay in the caches.
+_GROUP_HEADS = 2
+# Worker threads of the fused path (None: torch's thread count), each running torch with one thread.
+_WORKERS = None
+
+
+def _variants_with_sums(q, k, scale, variants, u, iters, specials):
+    """Weights of every variant (like :func:`_variants_unmasked`, B = 1) and, computed while each
+    group of heads is in cache, the row sums of ``attnlab.stats._row_sums`` for the tidy table.
+
+    For heads whose scores span at most ``LINEAR_SPAN_MAX`` every variant is a diagonal scaling of one
+    matrix E_ij = exp(s_ij - max_j s_ij): unas = diag(alpha_u) E, dnas = diag(alpha_d) E diag(beta_d),
+    sinkhorn = diag(a) E diag(b), hnas = lerp(unas, dnas, u). Column masses, distances, special-token
+    masses and unas/dnas/sinkhorn row entropies (ln pi_ij = ln alpha_i + s_ij - max + ln beta_j) then
+    come from a few matrix products with E, E * (s - max) and E * |i - j| shared by the variants, and
+    are assembled for all heads at once at the end (:func:`_assemble_sums`); only the hnas entropy
+    and the Jensen-Shannon mixtures take a logarithm pass (with u = 0.5 the dnas/unas mixture is the
+    hnas weights themselves). Groups with a wider head take :func:`_variants_unmasked` and
+    ``_row_sums`` on the weights.
+
+    q, k: (L, 1, H, N, D); specials: list of S bool (N,) key masks. Returns ({variant: (L, 1, H, N, N)},
+    {variant: row sums over L*H maps}); ``js`` (to unas) when unas is among the variants.
+    """
+    from attnlab import stats
+
+    L, B, H, N, _ = q.shape
+    assert B == 1
+    LH = L * H
+    ref = "unas" if "unas" in variants else None
+    out = {v: _POOL.empty((L, B, H, N, N)) for v in variants}
+    spec = torch.stack([m.to(q.dtype) for m in specials], -1) if specials else q.new_zeros(N, 0)  # (N, S)
+    S = spec.shape[-1]
+    dist = stats._distance_matrix(N, N, q)  # (N, N) |i - j|
+    u_maps = (q.new_full((LH,), u) if isinstance(u, float) else u.to(q.dtype).reshape(L, H).reshape(LH))
+    hnas_is_mix = bool({"hnas", "dnas", "unas"} <= set(variants) and (u_maps == 0.5).all())
+    clamp_hnas = bool((u_maps > 1.0 - 1e-6).any())  # hnas = dnas may underflow to 0: 0 ln 0 = 0
+    buf = {  # per map (L*H), filled group by group, assembled at the end
+        "alpha": q.new_zeros(LH, N, 3),  # row factors of unas, dnas, sinkhorn
+        "beta": q.new_ones(LH, N, 3),  # column factors (1 for unas)
+        "e_beta": q.new_ones(LH, N, 3),  # sum_j E_ij beta_j
+        "cols": q.new_zeros(LH, 3, N),  # sum_i alpha_i E_ij
+        "e_rows": q.new_zeros(LH, N, 2 + 3 * S),  # E @ [beta ln beta (dnas, sinkhorn), beta * special]
+        "es_rows": q.new_zeros(LH, N, 3),  # (E * (s - max)) @ beta
+        "ed_rows": q.new_zeros(LH, N, 3),  # (E * |i - j|) @ beta
+        "rowsum": {v: q.new_zeros(LH, N) for v in variants},  # of the weights themselves
+        "tlogt": {v: q.new_zeros(LH, N) for v in variants if v != ref and ref is not None},
+        "h_xlogx": q.new_zeros(LH, N),
+    }
+    fallback = []  # (rows, {variant: row sums}) of groups with a wide head
+    # |s_ij| <= scale |q_i| |k_j|: heads whose bound on the score span is small skip the exact check
+    norms = q.norm(dim=-1).amax(-1) * k.norm(dim=-1).amax(-1)  # (L, 1, H)
+    span_bound = 2.0 * torch.tensor(scale)[:, None] * norms[:, 0]  # (L, H)
+    G = min(_GROUP_HEADS, H)
+    queue = [(layer, h0, min(h0 + G, H)) for layer in range(L) for h0 in range(0, H, G)]
+
+    def work(threads: int | None) -> None:
+        """Take groups from the queue until it is empty (``threads``: this worker's torch threads)."""
+        if threads is not None:
+            torch.set_num_threads(threads)
+        bufs = [q.new_empty(G, N, N) for _ in range(4)]
+        while True:
+            try:
+                groups = [queue.pop(0)]  # atomic under the GIL
+            except IndexError:
+                return
+            while groups:
+                layer, h0, h1 = groups.pop(0)
+                g = h1 - h0
+                s, e, x, y = (b[:g] for b in bufs)
+                ql, kl = q[layer, 0, h0:h1], k[layer, 0, h0:h1]
+                torch.baddbmm(s, ql, kl.transpose(-1, -2), beta=0.0, alpha=scale[layer], out=s)
+                rows = slice(layer * H + h0, layer * H + h1)
+                views = {v: out[v][layer, 0, h0:h1] for v in variants}
+                mu = s.amax(-1, keepdim=True)  # (g, N, 1) row maxima
+                gmax = mu.amax(-2, keepdim=True)  # (g, 1, 1)
+                if bool((span_bound[layer, h0:h1] > LINEAR_SPAN_MAX).any()) and bool(
+                    (gmax.view(g) - s.amin((-2, -1)) > LINEAR_SPAN_MAX).any()
+                ):
+                    if g > 1:  # head by head: only the wide ones take the slow path
+                        groups[:0] = [(layer, h, h + 1) for h in range(h0, h1)]
+                        continue
+                    fallback.append((rows, _wide_head(q, k, scale, u, layer, h0, views, variants, iters,
+                                                      spec, dist, ref)))
+                    continue
+                u_g = u_maps[rows].view(g, 1, 1)
+                _group_linear(s, e, x, y, mu, gmax, views, buf, rows, u_g, iters, spec, dist, ref,
+                              hnas_is_mix, clamp_hnas)
+
+    workers = _WORKERS if _WORKERS is not None else torch.get_num_threads()
+    if workers <= 1:
+        work(None)
+    else:  # one torch thread per worker: no per-operation barrier, idle workers take more groups
+        import concurrent.futures
+
+        previous = torch.get_num_threads()
+        try:
+            with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+                for f in [pool.submit(work, 1) for _ in range(workers)]:
+                    f.result()
+        finally:
+            torch.set_num_threads(previous)
+    raw = _assemble_sums(buf, variants, ref, u_maps, hnas_is_mix, S)
+    for rows, sums in fallback:
+        for v, r in sums.items():
+            for key, t in r.items():
+                if t is not None:
+                    raw[v][key][rows] = t
+    return out, raw
+
+
+def _wide_head(q, k, scale, u, layer, h, views, variants, iters, spec, dist, ref) -> dict:
+    """One head with widely spread scores: weights by :func:`_variants_unmasked` (log space), row sums
+    from those weights (``attnlab.stats._row_sums``)."""
+    from attnlab import stats
+
+    u_w = u if isinstance(u, float) else u[layer : layer + 1, :, h : h + 1]
+    part = _variants_unmasked(q[layer : layer + 1, :, h : h + 1], k[layer : layer + 1, :, h : h + 1],
+                              [scale[layer]], variants, u_w, iters)
+    sums = {}
+    for v in sorted(variants, key=lambda n: n != ref):
+        views[v].copy_(part[v][0, 0])
+        js = None if ref is None or v == ref else (views[ref], sums[ref]["entropy"])
+        sums[v] = stats._row_sums(views[v], spec, dist, js)
+    return sums
+
+
+def _group_linear(s, e, x, y, mu, gmax, views, buf, rows, u, iters, spec, dist, ref, hnas_is_mix,
+                  clamp_hnas) -> None:
+    """Weights of one group of heads with scores s (g, N, N) (consumed; mu: row maxima (g, N, 1), gmax
+    (g, 1, 1), e, x, y scratch like s), and its matrix products into ``buf`` rows ``rows``."""
+    g, N, _ = s.shape
+    s.sub_(mu)  # s_ij - max_j s_ij in [-LINEAR_SPAN_MAX, 0]
+    torch.exp(s, out=e)  # E
+    rho = (mu - gmax).exp_().transpose(-1, -2)  # (g, 1, N): exp(s - max over the head) = rho_i E_ij
+    alpha, beta, e_beta = buf["alpha"][rows], buf["beta"][rows], buf["e_beta"][rows]  # (g, N, 3) views
+    torch.matmul(rho, e, out=beta[..., 1].unsqueeze(1)).reciprocal_()  # 1 / column sums: dnas
+    e_beta[..., :2] = torch.matmul(e, beta[..., :2])  # r_i = sum_j E_ij, R_i = sum_j E_ij beta_j
+    torch.reciprocal(e_beta[..., :2], out=alpha[..., :2])
+    a, b, eb = alpha[..., 1], beta[..., 1], e_beta[..., 1]  # sinkhorn after one (column, row) round
+    for _ in range(iters - 1):
+        b = torch.matmul(a.unsqueeze(1), e).reciprocal_().squeeze(1)  # column step (g, N)
+        eb = torch.stack([torch.mv(e[i], b[i]) for i in range(g)])  # row step (the last normalizes)
+        a = eb.reciprocal()
+    alpha[..., 2], beta[..., 2], e_beta[..., 2] = a, b, eb
+    # the weights
+    pu, pd = views.get("unas"), views.get("dnas")
+    if pu is None and "hnas" in views:
+        pu = x
+    if pu is not None:
+        torch.mul(e, alpha[..., :1], out=pu)
+    if pd is None and "hnas" in views:
+        pd = y
+    if pd is not None:
+        torch.mul(e, beta[..., 1].unsqueeze(1), out=pd).mul_(alpha[..., 1:2])
+    if "hnas" in views:
+        torch.lerp(pu, pd, u, out=views["hnas"])
+    if "sinkhorn" in views:
+        torch.mul(e, b.unsqueeze(1), out=views["sinkhorn"]).mul_(a.unsqueeze(-1))
+    # products for the statistics
+    torch.matmul(alpha.transpose(-1, -2), e, out=buf["cols"][rows])  # (g, 3, N)
+    log_betas = beta[..., 1:] * beta[..., 1:].log()  # beta ln beta: (g, N, 2)
+    spec_b = (beta[..., None, :] * spec[:, :, None]).reshape(g, N, -1)  # beta_j special_j: (g, N, 3 S)
+    torch.matmul(e, torch.cat([log_betas, spec_b], -1), out=buf["e_rows"][rows])
+    torch.matmul(torch.mul(e, s, out=s), beta, out=buf["es_rows"][rows])
+    torch.matmul(torch.mul(e, dist, out=s), beta, out=buf["ed_rows"][rows])
+    for v, w in views.items():
+        torch.sum(w, -1, out=buf["rowsum"][v][rows])
+    if "hnas" in views:
+        ph = views["hnas"]
+        t = torch.log(ph, out=s)
+        if clamp_hnas:
+            t.clamp_min_(math.log(torch.finfo(ph.dtype).tiny))
+        torch.sum(t.mul_(ph), -1, out=buf["h_xlogx"][rows])
+    if ref is None:
+        return
+    for v in views:
+        if v == ref or (v == "dnas" and hnas_is_mix):
+            continue
+        t = torch.add(views[v], views[ref], out=x)  # 2 * the mixture; > 0 since unas > 0 here
+        torch.sum(torch.log(t, out=s).mul_(t), -1, out=buf["tlogt"][v][rows])
+
+
+def _assemble_sums(buf, variants, ref, u_maps, hnas_is_mix, S) -> dict:
+    """Row sums of every variant (``attnlab.stats._row_sums`` layout) from the products in ``buf``,
+    for all maps at once: pi = alpha_i E_ij beta_j, so sum_j pi ln pi = ln alpha_i sum_j pi
+    + alpha_i sum_j E_ij (s_ij - max) beta_j + alpha_i sum_j E_ij beta_j ln beta_j."""
+    alpha, beta, e_beta, cols = buf["alpha"], buf["beta"], buf["e_beta"], buf["cols"]
+    es_rows, ed_rows, e_rows = buf["es_rows"], buf["ed_rows"], buf["e_rows"]
+    fact = {}
+    for c, v in enumerate(("unas", "dnas", "sinkhorn")):
+        al = alpha[..., c]
+        xlogx = al.log() * (al * e_beta[..., c]) + al * es_rows[..., c]
+        if c:
+            xlogx += al * e_rows[..., c - 1]
+        fact[v] = {
+            "cols": cols[:, c] * beta[..., c], "entropy": xlogx.neg_(), "distance": al * ed_rows[..., c],
+            "special": al[..., None] * e_rows[..., 2 + c :: 3],
+        }
+    if "hnas" in variants:
+        w = u_maps[:, None]
+        fact["hnas"] = {
+            "cols": torch.lerp(fact["unas"]["cols"], fact["dnas"]["cols"], w),
+            "entropy": -buf["h_xlogx"],
+            "distance": torch.lerp(fact["unas"]["distance"], fact["dnas"]["distance"], w),
+            "special": torch.lerp(fact["unas"]["special"], fact["dnas"]["special"], w[..., None]),
+        }
+    raw = {}
+    for v in variants:
+        raw[v] = dict(fact[v], rowsum=buf["rowsum"][v], js=None)
+    if ref is not None:
+        h_u, rs_u = raw[ref]["entropy"], raw[ref]["rowsum"]
+        for v in variants:
+            if v == ref:
+                continue
+            if v == "dnas" and hnas_is_mix:
+                mlogm = -raw["hnas"]["entropy"]  # the mixture (dnas + unas) / 2 is hnas with u = 0.5
+            else:  # sum_j m ln m with m = t / 2
+                mlogm = 0.5 * buf["tlogt"][v] - (0.5 * LN2) * (raw[v]["rowsum"] + rs_u)
+            jsd = (-mlogm - 0.5 * (raw[v]["entropy"] + h_u)) / LN2  # H(m) - (H(p) + H(q)) / 2, bits
+            raw[v]["js"] = jsd.clamp_(0.0, 1.0).sqrt_()
+            if v == "hnas":  # u = 0: hnas is unas bit for bit, at distance exactly 0 (not sqrt(rounding))
+                raw[v]["js"].masked_fill_((u_maps == 0.0)[:, None], 0.0)
+    return raw
 
 
 def _heads_log(s, q, k, scale, heads, targets) -> None:
@@ -281,3 +580,16 @@ def batch_weights(
     run = _recompute if mode == "recompute" else _swap
     with loaded.lock, torch.no_grad():
         return run(loaded, input_ids, attention_mask, variants, u, iters)
+
+
+def window_weights_and_sums(loaded: LoadedModel, input_ids, variants, mode, u, iters, specials):
+    """One window (input_ids (1, N), no padding): (weights {variant: (L, 1, H, N, N)}, row sums for
+    ``attnlab.stats._tidy_from_row_sums`` or None), the sums computed with the weights when the fused
+    path applies (recompute mode, bidirectional model)."""
+    if loaded.info.causal:
+        iters = 1
+    with loaded.lock, torch.no_grad():
+        if mode != "recompute":
+            return _swap(loaded, input_ids, torch.ones_like(input_ids), variants, u, iters), None
+        ones = torch.ones_like(input_ids)
+        return _recompute_with_sums(loaded, input_ids, ones, variants, u, iters, specials)
