@@ -42,6 +42,7 @@ __all__ = [
     "attend",
     "column_logsumexp",
     "row_logsumexp",
+    "sinkhorn_potentials",
     "unas",
     "dnas",
     "hnas",
@@ -450,17 +451,25 @@ def _fused_hnas(q, k, v, mask, scale, ctx):
     return torch.lerp(out_unas, _fused_dnas(q, k, v, mask, scale, ctx), _as_weight(ctx.u, q))
 
 
+def sinkhorn_potentials(q, k, mask=None, scale=None, iters: int = 1) -> torch.Tensor:
+    """Column potentials c (B, H, N) of Sinkhorn (Eq. 10): pi = softmax_j(s_ij - c_j) after ``iters``
+    (column, row) rounds, without the (M, N) matrix.
+
+    With pi_ij = exp(s_ij - c_j - r_i), each half-step is one LSE pass: c_j = logsumexp_i (s_ij - r_i),
+    r_i = logsumexp_j (s_ij - c_j); the last row step is the final softmax. iters=1 gives DNAS's c.
+    """
+    r = None  # row potentials (B, H, M)
+    for step in range(iters):
+        c = column_logsumexp(q, k, mask, scale, query_bias=None if r is None else -r)  # (B, H, N)
+        if step < iters - 1:
+            r = row_logsumexp(q, k, mask, scale, key_bias=-c)
+    return c
+
+
 def _fused_sinkhorn(q, k, v, mask, scale, ctx):
-    """Eq. (10) with potentials: pi_ij = exp(s_ij - c_j - r_i). Each half-step is one LSE pass:
-    c_j = logsumexp_i (s_ij - r_i), r_i = logsumexp_j (s_ij - c_j); the last row step is the SDPA."""
     if ctx.causal or ctx.iters == 1:
         return _fused_dnas(q, k, v, mask, scale, ctx)
-    r = None  # row potentials (B, H, M)
-    for step in range(ctx.iters):
-        c = column_logsumexp(q, k, mask, scale, query_bias=None if r is None else -r)  # (B, H, N)
-        if step < ctx.iters - 1:
-            r = row_logsumexp(q, k, mask, scale, key_bias=-c)
-    return _sdpa(q, k, v, mask, scale, key_bias=-c)
+    return _sdpa(q, k, v, mask, scale, key_bias=-sinkhorn_potentials(q, k, mask, scale, ctx.iters))
 
 
 FUSED: dict[str, Callable] = {

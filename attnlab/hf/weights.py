@@ -22,7 +22,7 @@ import torch
 
 from attnlab.hf.interface import DEFAULT_ITERS, DEFAULT_U, CapturedLayer, capture_qk, use_variant
 from attnlab.hf.loading import LoadedModel, load_model
-from attnlab.normalizers import VARIANTS, attention_weights, column_logsumexp
+from attnlab.normalizers import VARIANTS, attention_weights, column_logsumexp, sinkhorn_potentials
 
 __all__ = ["MODES", "LINEAR_SPAN_MAX", "batch_weights"]
 
@@ -124,26 +124,10 @@ def _recompute_with_sums(loaded, input_ids, attention_mask, variants, u, iters, 
     return weights, None
 
 
-def _augment(x: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
-    """(..., N, D), (..., N) -> (..., N, D + 1): one more coordinate per row."""
-    return torch.cat([x, extra[..., None]], dim=-1)
-
-
 def _sinkhorn_bias(q: torch.Tensor, k: torch.Tensor, scale: float, iters: int) -> torch.Tensor:
-    """Sinkhorn (Eq. 10) in scaling form: -> beta (B, H, N) with weights = softmax_j(s_ij + beta_j).
-
-    ``iters`` (column, row) rounds of the log-space iteration keep the logits as s_ij + alpha_i + beta_j;
-    a column step sets beta_j = -logsumexp_i(s_ij + alpha_i), a row step alpha_i = -logsumexp_j(s_ij +
-    beta_j), and alpha cancels in the final row softmax. Each logsumexp is a fused column pass
-    (:func:`attnlab.column_logsumexp`) on q, k augmented by one coordinate, so no (N, N) matrix is
-    built: [scale q_i, alpha_i] . [k_j, 1] = s_ij + alpha_i.
-    """
-    qs, ones = q * scale, q.new_ones(q.shape[:-1])
-    alpha = q.new_zeros(q.shape[:-1])  # (B, H, M)
-    for _ in range(iters - 1):
-        beta = -column_logsumexp(_augment(qs, alpha), _augment(k, ones), None, 1.0)  # column step
-        alpha = -column_logsumexp(_augment(k, beta), _augment(qs, ones), None, 1.0)  # row step
-    return -column_logsumexp(_augment(qs, alpha), _augment(k, ones), None, 1.0)  # (B, H, N)
+    """Sinkhorn (Eq. 10) in scaling form: beta (B, H, N) with weights = softmax_j(s_ij + beta_j),
+    from the fused potentials of :func:`attnlab.normalizers.sinkhorn_potentials` (no (N, N) matrix)."""
+    return -sinkhorn_potentials(q, k, None, scale, iters)
 
 
 # A head whose scores span at most this many nats has exp(s - max) >= e^-60 ~ 1e-26 everywhere: normal
