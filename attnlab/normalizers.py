@@ -57,6 +57,9 @@ LSE_FLOOR = -1e30
 KEY_BLOCK = 256
 # Query block of the causal DNAS pass: (B, H, QUERY_BLOCK, N) at a time.
 QUERY_BLOCK = 128
+# Training-size problems (M * N up to this, with gradients) take one fused autograd function that
+# keeps the weights for its backward, as PyTorch's own SDPA math backend does for a biased row pass.
+SMALL_SCORES = 128 * 128
 
 
 @dataclass(frozen=True)
@@ -438,15 +441,77 @@ def _fused_unas(q, k, v, mask, scale, ctx):
     return _sdpa(q, k, v, mask, scale, causal=ctx.causal)
 
 
+class _SmallDoublyNormalized(torch.autograd.Function):
+    """DNAS (Eq. 5) or HNAS (Eq. 12) attention for small problems under autograd, with the backward
+    written out (fewer passes than autograd through the LSE pass and a biased SDPA).
+
+    Forward: s = scale q k^T (masked), c_j = logsumexp_i s_ij, P = exp(s - c) (column softmax),
+    pi_d = softmax_j(s - c), pi_u = softmax_j(s), pi = lerp(pi_u, pi_d, u), out = pi v.
+    Backward, with dpi = g v^T: dl = pi_d o (u dpi - rowsum(u dpi o pi_d)), and likewise ds_u for
+    pi_u with (1 - u); ds = ds_u + dl - P o colsum(dl) (c_j depends on column j); grad_q = scale ds k,
+    grad_k = scale ds^T q, grad_v = pi^T g, grad_u = sum dpi o (pi_d - pi_u).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, u, mask, scale, hybrid):
+        s = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)  # (B, H, M, N)
+        if mask is not None:
+            s.masked_fill_(~mask, NEG_INF)
+        c = _safe_logsumexp(s, -2)  # (B, H, 1, N)
+        p_col = torch.exp(s - c)
+        p_d = _row_softmax(s - c)
+        p_u = _row_softmax(s) if hybrid else None
+        p = torch.lerp(p_u, p_d, u) if hybrid else p_d
+        ctx.save_for_backward(q, k, v, u if isinstance(u, torch.Tensor) else None, p_col, p_d, p_u, p)
+        ctx.scale, ctx.hybrid = scale, hybrid
+        ctx.u_float = None if isinstance(u, torch.Tensor) else float(u)
+        return torch.matmul(p, v)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        q, k, v, u_t, p_col, p_d, p_u, p = ctx.saved_tensors
+        u = u_t if ctx.u_float is None else ctx.u_float
+
+        def softmax_backward(pi, d):
+            return pi * (d - (d * pi).sum(-1, keepdim=True))
+
+        grad_v = torch.matmul(p.transpose(-1, -2), g)
+        dp = torch.matmul(g, v.transpose(-1, -2))  # (B, H, M, N)
+        dl = softmax_backward(p_d, dp * u if ctx.hybrid else dp)
+        ds = dl - p_col * dl.sum(-2, keepdim=True)
+        if ctx.hybrid:
+            ds = ds + softmax_backward(p_u, dp * (1 - u))
+        grad_q = torch.matmul(ds, k).mul_(ctx.scale)
+        grad_k = torch.matmul(ds.transpose(-1, -2), q).mul_(ctx.scale)
+        grad_u = None
+        if u_t is not None and ctx.needs_input_grad[3]:
+            grad_u = (dp * (p_d - p_u)).sum((-1, -2), keepdim=True)  # (B, H, 1, 1)
+            grad_u = grad_u.sum_to_size(u_t.shape)
+        return grad_q, grad_k, grad_v, grad_u, None, None, None
+
+
+def _small_with_grad(q, k, v, ctx) -> bool:
+    needs_grad = torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad
+        or (isinstance(ctx.u, torch.Tensor) and ctx.u.requires_grad)
+    )
+    return needs_grad and not ctx.causal and q.shape[-2] * k.shape[-2] <= SMALL_SCORES
+
+
 def _fused_dnas(q, k, v, mask, scale, ctx):
     if ctx.causal:
         return _causal_dnas_blocked(q, k, v, mask, scale)
+    if _small_with_grad(q, k, v, ctx):
+        return _SmallDoublyNormalized.apply(q, k, v, 1.0, mask, scale, False)
     c = column_logsumexp(q, k, mask, scale)  # (B, H, N)
     return _sdpa(q, k, v, mask, scale, key_bias=-c)
 
 
 def _fused_hnas(q, k, v, mask, scale, ctx):
     # Eq. (12) with V entering linearly: u * (pi_dnas V) + (1 - u) * (pi_unas V)
+    if _small_with_grad(q, k, v, ctx):
+        return _SmallDoublyNormalized.apply(q, k, v, _as_weight(ctx.u, q), mask, scale, True)
     out_unas = _fused_unas(q, k, v, mask, scale, ctx)
     return torch.lerp(out_unas, _fused_dnas(q, k, v, mask, scale, ctx), _as_weight(ctx.u, q))
 

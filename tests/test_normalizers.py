@@ -286,8 +286,10 @@ def test_whole_column_dnas_would_leak():
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("path", ["fused", "materialized"])
-def test_gradcheck(variant, causal, path):
+@pytest.mark.parametrize("path", ["fused", "fused-large", "materialized"])
+def test_gradcheck(variant, causal, path, monkeypatch):
+    if path == "fused-large":  # the LSE pass + SDPA path that long sequences take under autograd
+        monkeypatch.setattr(nz, "SMALL_SCORES", 0)
     gen = torch.Generator().manual_seed(9)
     q, k, v = (torch.randn(1, 2, L, 3, generator=gen, dtype=F64, requires_grad=True) for L in (5, 6, 6))
     mask = torch.rand(1, 1, 5, 6, generator=gen) > 0.25
@@ -298,7 +300,7 @@ def test_gradcheck(variant, causal, path):
     def f(q, k, v, u):
         res = attnlab.attend(q, k, v, variant, mask=mask, causal=causal, u=u, iters=iters,
                              return_weights=path == "materialized")
-        return res if path == "fused" else res[0]
+        return res[0] if path == "materialized" else res
 
     assert torch.autograd.gradcheck(f, (q, k, v, u))
 
@@ -326,6 +328,27 @@ def test_gradcheck_blocked_column_lse(monkeypatch):
         finite = torch.isfinite(ref)
         torch.testing.assert_close(r[finite], ref[finite])
         assert torch.autograd.gradcheck(lambda q, k, a: nz.row_logsumexp(q, k, mask, key_bias=a), (q, k, a))
+
+
+@pytest.mark.parametrize("variant", ["dnas", "hnas"])
+def test_small_autograd_path_matches_large_path(variant, monkeypatch):
+    """Training-size problems take one fused autograd function: same outputs and gradients."""
+    q, k, v = (t.requires_grad_() for t in _random_qkv(15, M=9, N=9, dtype=F64))
+    mask = torch.rand(2, 1, 9, 9, generator=torch.Generator().manual_seed(2)) > 0.3
+    u = torch.tensor([0.2, 0.5, 0.9], dtype=F64).view(1, 3, 1, 1).requires_grad_()
+    results = []
+    for small in (1 << 20, 0):
+        monkeypatch.setattr(nz, "SMALL_SCORES", small)
+        out = attnlab.attend(q, k, v, variant, mask=mask, u=u)
+        grads = torch.autograd.grad((out * torch.arange(8.0, dtype=F64)).sum(), (q, k, v, u),
+                                    allow_unused=True)
+        results.append((out, grads))
+    torch.testing.assert_close(results[0][0], results[1][0])
+    for a, b in zip(results[0][1], results[1][1], strict=True):
+        if b is None:
+            assert a is None or torch.all(a == 0)
+        else:
+            torch.testing.assert_close(a, b)
 
 
 def test_gradients_finite_with_empty_rows_and_columns():
