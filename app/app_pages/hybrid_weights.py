@@ -1,7 +1,6 @@
 """Hybrid weights: HNAS's per-layer u = sigmoid(θ) over training steps (live while a run trains) and
 the final u per layer and head, from a checkpoint or a metrics log (u = 1 is DNAS, u = 0 UNAS)."""
 
-import json
 
 import numpy as np
 import streamlit as st
@@ -41,14 +40,9 @@ if choice == UPLOAD:
     if upload is None:
         st.info("Upload the metrics.jsonl of a run (one JSON object per line, with a 'u' field).")
         st.stop()
-    records = []
-    for line in upload.getvalue().decode("utf-8", errors="replace").splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(rec, dict) and "step" in rec:
-            records.append(rec)
+    from attnlab.train import parse_metrics
+
+    records = parse_metrics(upload.getvalue().decode("utf-8", errors="replace"))
     run_dir, active = None, False
 else:
     run_dir = sources[choice]

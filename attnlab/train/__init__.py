@@ -27,6 +27,7 @@ from attnlab.train.trainer import (
     TrainResult,
     column_mass_summary,
     learning_rate,
+    parse_metrics,
     read_metrics,
     train,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "train",
     "learning_rate",
     "column_mass_summary",
+    "parse_metrics",
     "read_metrics",
     "add_arguments",
     "run",

@@ -63,13 +63,11 @@ def learning_rate(step: int, cfg) -> float:
 # ----------------------------------------------------------------------------------------------
 
 
-def read_metrics(path: str | os.PathLike) -> list[dict]:
-    """The complete JSON lines of a metrics.jsonl (a torn last line from a kill is skipped)."""
+def parse_metrics(text: str) -> list[dict]:
+    """The complete records of metrics.jsonl text: JSON objects with a "step" (a torn last line from a
+    kill, or any other line that is not such an object, is skipped)."""
     out = []
-    p = Path(path)
-    if not p.is_file():
-        return out
-    for line in p.read_text(encoding="utf-8").splitlines():
+    for line in text.splitlines():
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:
@@ -77,6 +75,12 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
         if isinstance(rec, dict) and "step" in rec:
             out.append(rec)
     return out
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """The complete JSON lines of a metrics.jsonl file (see :func:`parse_metrics`); [] if missing."""
+    p = Path(path)
+    return parse_metrics(p.read_text(encoding="utf-8")) if p.is_file() else []
 
 
 class MetricsLog:
