@@ -4,6 +4,8 @@
 FROM python:3.11-slim-bookworm
 
 # Chromium for figure export (PNG/SVG/PDF through kaleido); curl for the health check.
+# Not version-pinned: Debian's security updates replace chromium's version within a release.
+# hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends chromium curl \
     && rm -rf /var/lib/apt/lists/*
@@ -21,11 +23,12 @@ COPY checkpoints ./checkpoints
 RUN pip install --no-cache-dir --no-deps -e .
 
 RUN useradd --create-home --uid 1000 attnlab && chown -R attnlab /app
-USER attnlab
+# Numeric, so that Kubernetes' runAsNonRoot can verify it.
+USER 1000
 ENV HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 EXPOSE 8501
 HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
-    CMD curl --fail --silent http://127.0.0.1:8501/_stcore/health || exit 1
+    CMD ["sh", "-c", "curl --fail --silent http://127.0.0.1:8501/_stcore/health || exit 1"]
 CMD ["python", "-m", "streamlit", "run", "app/streamlit_app.py", \
      "--server.address", "0.0.0.0", "--server.port", "8501", \
      "--server.headless", "true", "--browser.gatherUsageStats", "false"]

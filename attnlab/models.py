@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
@@ -350,13 +351,22 @@ def atomic_write_json(path: str | os.PathLike, obj) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8"))
 
 
+def checked_step_name(name, source: str | os.PathLike = LATEST_FILE) -> str:
+    """``name`` when it is a plain directory name (a ``latest.json`` pointer), else ValueError: a pointer
+    such as ``../../etc`` must not lead a load outside the run directory."""
+    if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name
+            or "\0" in name):
+        raise ValueError(f"{source} points at {name!r}, which is not a step directory name")
+    return name
+
+
 def resolve_checkpoint(directory: str | os.PathLike) -> Path:
     """The directory holding ``config.json`` + ``model.safetensors``: ``directory`` itself, or the step
     directory named by its ``latest.json`` (a training run)."""
     d = Path(directory)
     if (d / LATEST_FILE).is_file():
         latest = json.loads((d / LATEST_FILE).read_text())
-        return d / latest["dir"]
+        return d / checked_step_name(latest.get("dir") if isinstance(latest, dict) else None, d / LATEST_FILE)
     if (d / WEIGHTS_FILE).is_file() and (d / CONFIG_FILE).is_file():
         return d
     if not d.is_dir():
@@ -395,6 +405,9 @@ def load(directory: str | os.PathLike, device: str | torch.device = "cpu") -> Tr
             f"{step_dir / CONFIG_FILE} is not an attnlab checkpoint (format {config.get('format')!r})"
         )
     model = TransformerLM(ModelConfig.from_dict(config["model"]))
-    state = st_load((step_dir / WEIGHTS_FILE).read_bytes())
+    try:
+        state = st_load((step_dir / WEIGHTS_FILE).read_bytes())
+    except SafetensorError as e:  # truncated or not a safetensors file; a plain Exception subclass
+        raise ValueError(f"{step_dir / WEIGHTS_FILE} is not a valid safetensors file ({e})") from None
     model.load_state_dict(state, strict=True)
     return model.to(device).eval()

@@ -19,6 +19,7 @@ from pathlib import Path
 import streamlit as st
 
 from attnlab import hf
+from attnlab.models import checked_step_name
 
 REPO = Path(__file__).resolve().parents[2]
 CHECKPOINTS = REPO / "checkpoints"
@@ -60,7 +61,7 @@ def is_native(path: str | Path) -> bool:
     config = p / "config.json"
     if (p / "latest.json").is_file():
         try:
-            config = p / json.loads((p / "latest.json").read_text())["dir"] / "config.json"
+            config = p / checked_step_name(json.loads((p / "latest.json").read_text())["dir"]) / "config.json"
         except (OSError, ValueError, KeyError, TypeError):
             return False
     try:

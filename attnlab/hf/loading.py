@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -225,6 +226,32 @@ def _brief(e: Exception) -> str:
     return f"{e.__class__.__name__}: {text[: end + 1] if end > 0 else text}"
 
 
+_LAYER_INDEX = re.compile(r"\.\d+\.")
+
+
+def _check_weights_match(directory: Path, model, loading: dict) -> None:
+    """Refuse weights that do not fit the config: attention layers the weights do not have (they would
+    run with random weights) or layers of the weights the config leaves out. A task head's keys
+    (``cls.*``, ``lm_head.*``) or a missing pooler (never used by the analysis) are fine."""
+    missing = [k for k in loading.get("missing_keys") or () if "pooler" not in k and "position_ids" not in k]
+    model_keys = {_LAYER_INDEX.sub(".#.", k) for k in model.state_dict()}
+    extra = [
+        k
+        for k in loading.get("unexpected_keys") or ()
+        if _LAYER_INDEX.search(k) and any(_LAYER_INDEX.sub(".#.", k).endswith(m) for m in model_keys)
+    ]
+    if missing or extra:
+        what = (
+            f"{len(missing)} weights the config expects are missing (e.g. {missing[0]})"
+            if missing
+            else f"{len(extra)} weights are not used by the config (e.g. {extra[0]})"
+        )
+        raise ModelLoadError(
+            f"the config in {directory} does not match its weights: {what}; fix config.json "
+            "(num_hidden_layers, hidden_size, ...) or save the model again with save_pretrained"
+        )
+
+
 def _load(directory: Path, embedded: bool) -> LoadedModel:
     _check_directory(directory)
     local = dict(local_files_only=True, trust_remote_code=False)
@@ -241,9 +268,12 @@ def _load(directory: Path, embedded: bool) -> LoadedModel:
                 "tokenizer.save_pretrained(dir) next to the model"
             ) from None
         try:
-            model = AutoModel.from_pretrained(directory, use_safetensors=True, dtype=torch.float32, **local)
+            model, loading = AutoModel.from_pretrained(
+                directory, use_safetensors=True, dtype=torch.float32, output_loading_info=True, **local
+            )
         except Exception as e:  # corrupt or mismatched weights raise many exception types
             raise ModelLoadError(f"cannot load the model in {directory}: {_brief(e)}") from None
+    _check_weights_match(directory, model, loading)
     model.eval()
     try:
         captured = _probe(model, tokenizer)

@@ -29,6 +29,7 @@ from attnlab.models import (
     LATEST_FILE,
     atomic_write_bytes,
     atomic_write_json,
+    checked_step_name,
     fsync_dir,
     save,
 )
@@ -95,6 +96,10 @@ def read_latest(run_dir: Path) -> dict | None:
     if not p.is_file():
         return None
     latest = json.loads(p.read_text())
+    try:
+        checked_step_name(latest.get("dir") if isinstance(latest, dict) else None, p)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
     if not (Path(run_dir) / latest["dir"]).is_dir():
         raise CheckpointError(f"{p} points at {latest['dir']}, which is missing")
     return latest
