@@ -1,0 +1,46 @@
+"""Concurrent users (issue 6, item 3): 8 app sessions analysing different texts at the same time get
+their own results, through one shared copy of the model."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import numpy as np
+import pytest
+from streamlit.testing.v1 import AppTest
+from test_app import APP, TIMEOUT, app_env, charts, z_of  # noqa: F401 (app_env is a fixture)
+
+from attnlab import hf
+
+WORDS = ["harbor", "violin", "glacier", "lantern", "meadow", "compass", "orchard", "thunder"]
+
+
+def _text(i: int) -> str:
+    return f"Session {i} writes about the {WORDS[i]}, and nothing else: the {WORDS[i]} is the topic here."
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("app_env")
+def test_eight_sessions_get_their_own_results():
+    sessions = [AppTest.from_file(APP, default_timeout=TIMEOUT).run() for _ in range(8)]
+    for at in sessions:
+        assert not at.exception, [e.message for e in at.exception]
+
+    def analyse(i: int):
+        at = sessions[i]
+        at.text_area(key="inspect_text").set_value(_text(i)).run()
+        assert not at.exception, [e.message for e in at.exception]
+        return charts(at)["inspect_heatmap"]
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:  # all 8 script runs at once
+        figures = list(pool.map(analyse, range(8)))
+
+    model = hf.load_model(None)  # the app's cached loader and this one share the one copy
+    assert hf.load_model(None) is model
+    for i, fig in enumerate(figures):
+        keys = [str(x) for x in fig["data"][0]["x"]]
+        assert any(WORDS[i] in k for k in keys), (i, keys)
+        assert not any(w in k for w in WORDS if w != WORDS[i] for k in keys), (i, keys)
+        # the numbers are this text's own: layer 2, head 0 of unas (the page's defaults)
+        expect = hf.analyze(_text(i), model, variants=("unas",)).weights["unas"][2, 0].numpy()
+        np.testing.assert_allclose(z_of(fig), expect, atol=1e-5)
