@@ -53,4 +53,4 @@ show(
 )
 
 st.subheader("Every layer and head")
-show(P, "grid", "grid", view, {"variant": variant, "max_tokens": 64}, text=text)
+show(P, "grid", "grid", view, {"variant": variant, "max_tokens": 48}, text=text)
