@@ -596,6 +596,33 @@ def test_upload_file_names_cannot_escape(tmp_path, monkeypatch, reliability, tin
     )
 
 
+def test_uploads_live_in_a_per_session_folder_removed_with_the_session(
+    tmp_path, monkeypatch, reliability, tiny_model_dir
+):
+    import gc
+
+    from appkit.sources import SessionFolder, save_upload
+
+    monkeypatch.setenv("ATTNLAB_UPLOADS_DIR", str(tmp_path / "uploads"))
+    files = [(p.name, p.read_bytes()) for p in sorted(tiny_model_dir("bert").iterdir())]
+    alice, bob = SessionFolder("session-a"), SessionFolder("session-b")
+    a, b = Path(save_upload(files, alice).path), Path(save_upload(files, bob).path)
+    assert a.parent == tmp_path / "uploads" / "session-a" and b.parent == tmp_path / "uploads" / "session-b"
+    assert a.is_dir() and b.is_dir() and a != b  # same bytes, still one copy per session
+    del alice  # the session ends: its state, and with it the folder object, is dropped
+    gc.collect()
+    assert not a.exists() and not (tmp_path / "uploads" / "session-a").exists()
+    assert b.is_dir()  # another session's upload is untouched
+    with pytest.raises(ValueError, match="session folder name"):
+        SessionFolder("../../etc")
+    reliability(
+        "uploads per session",
+        "two sessions upload the same checkpoint; one session ends",
+        "each upload lives in its session's own folder under the uploads directory; the ended "
+        "session's folder is removed, the other's stays",
+    )
+
+
 # ----------------------------------------------------------------------------------------------
 # Defaults that keep people out
 # ----------------------------------------------------------------------------------------------

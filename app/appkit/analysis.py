@@ -9,6 +9,7 @@ shared by every session, a few entries at most.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import islice
@@ -22,6 +23,7 @@ from appkit.sources import (
     EMBEDDED,
     UPLOAD_LIMIT_MB,
     NativeModel,
+    SessionFolder,
     Source,
     checkpoint_sources,
     load,
@@ -148,11 +150,22 @@ def model_input(prefix: str, container=None) -> Source:
                 st.info("Upload model.safetensors, config.json and the tokenizer files.")
                 st.stop()
             try:
-                return save_upload([(f.name, f.getvalue()) for f in files])
+                return save_upload([(f.name, f.getvalue()) for f in files], _session_folder())
             except ValueError as e:
                 st.error(str(e))
                 st.stop()
     return sources[choice]
+
+
+def _session_folder() -> SessionFolder:
+    """This session's upload folder (removed when the session ends and its state is dropped)."""
+    if "attnlab_uploads" not in st.session_state:
+        from streamlit.runtime.scriptrunner import get_script_run_ctx
+
+        ctx = get_script_run_ctx()
+        name = ctx.session_id if ctx is not None else "no-session"
+        st.session_state["attnlab_uploads"] = SessionFolder(re.sub(r"[^A-Za-z0-9_-]", "_", name)[:64])
+    return st.session_state["attnlab_uploads"]
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import shutil
 import tempfile
 import threading
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -176,8 +179,22 @@ def load(source: Source):
 # ----------------------------------------------------------------------------------------------
 
 
-def save_upload(files: list[tuple[str, bytes]]) -> Source:
-    """Write uploaded checkpoint files into a directory named by their hash; -> its Source.
+class SessionFolder:
+    """One app session's upload folder, ``uploads_dir() / name``: removed with everything in it when
+    this object is garbage collected, which happens when the session (whose ``st.session_state``
+    holds it) ends."""
+
+    def __init__(self, name: str):
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
+            raise ValueError(f"session folder name must be 1-64 letters, digits, '-' or '_', got {name!r}")
+        self.name = name
+        self.path = uploads_dir() / name
+        weakref.finalize(self, shutil.rmtree, str(self.path), True)
+
+
+def save_upload(files: list[tuple[str, bytes]], session: SessionFolder | None = None) -> Source:
+    """Write uploaded checkpoint files into a directory named by their hash (inside ``session``'s
+    folder when given, so that it goes when the session ends); -> its Source.
 
     Expects ``config.json`` and ``model.safetensors`` (plus tokenizer files: ``vocab.txt`` for an
     attnlab checkpoint, tokenizer.json / tokenizer_config.json ... for a Hugging Face one).
@@ -196,7 +213,7 @@ def save_upload(files: list[tuple[str, bytes]]) -> Source:
     digest = hashlib.sha256()
     for name, data in sorted(zip(names, (d for _, d in files), strict=True)):
         digest.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
-    root = uploads_dir()
+    root = uploads_dir() if session is None else session.path
     target = root / digest.hexdigest()[:16]
     if not target.is_dir():
         root.mkdir(parents=True, exist_ok=True)
