@@ -44,3 +44,37 @@ def test_eight_sessions_get_their_own_results():
         # the numbers are this text's own: layer 2, head 0 of unas (the page's defaults)
         expect = hf.analyze(_text(i), model, variants=("unas",)).weights["unas"][2, 0].numpy()
         np.testing.assert_allclose(z_of(fig), expect, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("app_env")
+def test_training_does_not_block_analysis_in_another_session():
+    """A training run started from the app lives in its own process: while it trains, another
+    session's analysis runs to the end with correct results, and the run is still training after."""
+    import sys
+    import time
+    from pathlib import Path
+
+    from test_app import CORPUS
+
+    sys.path.insert(0, str(Path(APP).parent))
+    from appkit import runs
+
+    config = runs.make_config("busy", kind="encoder", variant="dnas", n_layers=1, n_heads=2, d_model=32,
+                              steps=100_000, batch_size=4, seq_len=16, threads=1, tokenizer="byte")
+    run = runs.start("busy", config, ("corpus.txt", CORPUS))
+    try:
+        t0 = time.monotonic()
+        while runs.inspect(run.dir).step < 2 and time.monotonic() - t0 < 120:
+            time.sleep(0.3)
+        assert runs.inspect(run.dir).active, "the training run did not start"
+        step_before = runs.inspect(run.dir).step
+        at = AppTest.from_file(APP, default_timeout=TIMEOUT).run()
+        at.text_area(key="inspect_text").set_value(_text(3)).run()
+        assert not at.exception, [e.message for e in at.exception]
+        keys = [str(x) for x in charts(at)["inspect_heatmap"]["data"][0]["x"]]
+        assert any(WORDS[3] in k for k in keys)
+        after = runs.inspect(run.dir)
+        assert after.active and after.step >= step_before  # still training, alongside
+    finally:
+        runs.stop(runs.inspect(run.dir))
