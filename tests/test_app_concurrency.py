@@ -21,7 +21,7 @@ def _text(i: int) -> str:
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("app_env")
-def test_eight_sessions_get_their_own_results():
+def test_eight_sessions_get_their_own_results(reliability):
     sessions = [AppTest.from_file(APP, default_timeout=TIMEOUT).run() for _ in range(8)]
     for at in sessions:
         assert not at.exception, [e.message for e in at.exception]
@@ -37,6 +37,10 @@ def test_eight_sessions_get_their_own_results():
 
     model = hf.load_model(None)  # the app's cached loader and this one share the one copy
     assert hf.load_model(None) is model
+    from attnlab.hf import loading
+
+    embedded = [k for k in loading._CACHE if k == str(hf.default_model_path().resolve())]
+    assert len(embedded) == 1  # one copy of the model for all 8 sessions
     for i, fig in enumerate(figures):
         keys = [str(x) for x in fig["data"][0]["x"]]
         assert any(WORDS[i] in k for k in keys), (i, keys)
@@ -44,11 +48,17 @@ def test_eight_sessions_get_their_own_results():
         # the numbers are this text's own: layer 2, head 0 of unas (the page's defaults)
         expect = hf.analyze(_text(i), model, variants=("unas",)).weights["unas"][2, 0].numpy()
         np.testing.assert_allclose(z_of(fig), expect, atol=1e-5)
+    reliability(
+        "8 concurrent app sessions",
+        "8 AppTest sessions of the Inspect page, each with its own text, run at the same time",
+        "each session shows its own tokens and exactly its own text's weights (≤ 1e-5); one loaded "
+        "copy of the model serves all of them; results caches are bounded (max_entries, ttl)",
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("app_env")
-def test_training_does_not_block_analysis_in_another_session():
+def test_training_does_not_block_analysis_in_another_session(reliability):
     """A training run started from the app lives in its own process: while it trains, another
     session's analysis runs to the end with correct results, and the run is still training after."""
     import sys
@@ -76,5 +86,11 @@ def test_training_does_not_block_analysis_in_another_session():
         assert any(WORDS[3] in k for k in keys)
         after = runs.inspect(run.dir)
         assert after.active and after.step >= step_before  # still training, alongside
+        reliability(
+            "training beside analysis",
+            "a training run started from the app's Train page, then another session analyses a text",
+            f"the analysis completed with its own results while the run kept training (step "
+            f"{step_before} → {after.step}, its own process)",
+        )
     finally:
         runs.stop(runs.inspect(run.dir))
