@@ -739,7 +739,7 @@ def test_five_random_sigkills_then_resume(tmp_path, reliability):
     from attnlab.train import RunConfig, read_metrics, train
 
     rng = random.Random(2026)
-    steps = 150
+    steps = 400  # far more than 5 kills can reach, so that every kill lands mid-run
     d = RunConfig().to_dict()
     d["model"].update(d_model=32, n_layers=2, n_heads=2, d_ff=64, variant="hnas")
     d["data"].update(corpus=str(_corpus_file(tmp_path)), tokenizer="byte", seq_len=32)
