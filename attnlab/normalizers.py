@@ -276,8 +276,14 @@ def attention_weights(
         raise ValueError(f"scores must have at least 2 dims (..., M, N), got shape {tuple(scores.shape)}")
     mask = _check_mask(mask, scores.shape)
     ctx = NormalizerContext(causal=causal, u=_check_u(u), iters=_check_iters(iters, variant, causal))
+    return _normalize(scores, variant, mask, ctx)
+
+
+def _normalize(scores, variant, mask, ctx: NormalizerContext) -> torch.Tensor:
+    """The one materialized pipeline, on checked arguments: mask (+ causal) -> -inf, normalize in
+    float32/float64, cast back."""
     m, n = scores.shape[-2:]
-    mask = _combine_masks(mask, causal, m, n, scores.device)
+    mask = _combine_masks(mask, ctx.causal, m, n, scores.device)
     logits = scores.to(_compute_dtype(scores.dtype))
     if mask is not None:
         logits = logits.masked_fill(~mask, NEG_INF)
@@ -606,7 +612,7 @@ def attend(
             return out.to(out_dtype)
 
     scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)  # (B, H, M, N)
-    weights = attention_weights(scores, variant, mask=mask, causal=causal, u=ctx.u, iters=ctx.iters)
+    weights = _normalize(scores, variant, mask, ctx)  # arguments already checked above
     out = torch.matmul(weights, v).to(out_dtype)
     return (out, weights.to(out_dtype)) if return_weights else out
 

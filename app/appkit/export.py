@@ -55,23 +55,16 @@ def export_menu(
                 help=None if static or fmt == "html" else CHROMIUM_HINT,
             )
         cols = st.columns(4)
-        cols[0].download_button(
-            "CSV",
-            data=partial(app_views.data_bytes, bundle, "csv"),
-            file_name=f"{name}.csv",
-            mime=MIME["csv"],
-            key=f"{prefix}_{name}_csv",
-            on_click="ignore",
-        )
-        cols[1].download_button(
-            "NPZ",
-            data=partial(app_views.data_bytes, bundle, "npz"),
-            file_name=f"{name}.npz",
-            mime=MIME["npz"],
-            key=f"{prefix}_{name}_npz",
-            on_click="ignore",
-            disabled=not bundle.arrays,
-        )
+        for col, fmt in zip(cols[:2], ("csv", "npz"), strict=True):
+            col.download_button(
+                fmt.upper(),
+                data=partial(app_views.data_bytes, bundle, fmt),
+                file_name=f"{name}.{fmt}",
+                mime=MIME[fmt],
+                key=f"{prefix}_{name}_{fmt}",
+                on_click="ignore",
+                disabled=fmt == "npz" and not bundle.arrays,
+            )
         if manifest is not None:
             cols[2].download_button(
                 "Manifest",
