@@ -3,11 +3,12 @@
 # Same steps as the README's first command (scripts/install.sh, scripts/app.sh).
 FROM python:3.11-slim-bookworm
 
-# Chromium for figure export (PNG/SVG/PDF through kaleido); curl for the health check.
+# Chromium for figure export (PNG/SVG/PDF through kaleido); g++ for attnlab's CPU kernels, built on
+# first use on the machine that runs them (-march=native); curl for the health check.
 # Not version-pinned: Debian's security updates replace chromium's version within a release.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends chromium curl \
+    && apt-get install -y --no-install-recommends chromium curl g++ \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /app

@@ -299,9 +299,48 @@ def _flash_lse_available(q: torch.Tensor) -> bool:
     return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
 
 
+def _cpu_ops():
+    """attnlab's CPU kernels (attnlab/kernels.py) or None; imported here so that importing attnlab
+    builds nothing."""
+    from attnlab import kernels  # noqa: PLC0415
+
+    return kernels.cpu_ops()
+
+
+def _heads_flat(t: torch.Tensor) -> torch.Tensor:
+    """(B, H, L, D) -> (B*H, L, D) with a contiguous last dimension, as the CPU kernels take it."""
+    t = t.reshape(-1, *t.shape[-2:])
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _separable(mask: torch.Tensor | None) -> bool:
+    """True when the mask depends on the query alone (..., M, 1) or on the key alone (..., 1, N)."""
+    return mask is None or mask.shape[-1] == 1 or mask.shape[-2] == 1
+
+
+def _lse_kernel(q, k, bias, mask, scale):
+    """Column LSE (B, H, N) through attnlab's CPU kernel (kernels.col_lse), or None where it does not
+    apply (not built, a mask that depends on both i and j). An invalid query enters as bias -inf; a
+    key-only mask changes nothing here (the caller zeroes columns without a valid query)."""
+    ops = _cpu_ops()
+    if ops is None or not _separable(mask) or q.shape[:2] != k.shape[:2]:
+        return None
+    B, H, M, _ = q.shape
+    rb = None if bias is None else bias.expand(B, H, M)
+    if mask is not None and mask.shape[-1] == 1:
+        rows = mask[..., 0].expand(B, H, M)
+        rb = (torch.zeros((), dtype=q.dtype) if rb is None else rb).masked_fill(~rows, NEG_INF)
+    rb = None if rb is None else rb.reshape(B * H, M).to(q.dtype).contiguous()
+    return ops.col_lse(_heads_flat(q), _heads_flat(k), rb, scale).view(B, H, k.shape[-2])
+
+
 def _lse_fused(q, k, bias, mask, scale):
     """The column LSE is the row LSE of the transposed problem (keys attend to queries): one pass of
-    PyTorch's CPU flash-attention kernel, which returns that log-sum-exp. bias (B, H, M) or None."""
+    attnlab's CPU kernel (a score panel per task, no value product) or, where that does not apply,
+    of PyTorch's CPU flash-attention kernel, which returns that log-sum-exp. bias (B, H, M) or None."""
+    c = _lse_kernel(q, k, bias, mask, scale)
+    if c is not None:
+        return c
     add = None if bias is None else bias[..., None, :]  # (B, H, 1, M) of the transposed problem
     if mask is not None:
         mt = mask.transpose(-1, -2)  # (b, h, N, M)
@@ -497,12 +536,51 @@ class _SmallDoublyNormalized(torch.autograd.Function):
         return grad_q, grad_k, grad_v, grad_u, None, None, None
 
 
-def _small_with_grad(q, k, v, ctx) -> bool:
-    needs_grad = torch.is_grad_enabled() and (
+def _needs_grad(q, k, v, ctx) -> bool:
+    return torch.is_grad_enabled() and (
         q.requires_grad or k.requires_grad or v.requires_grad
         or (isinstance(ctx.u, torch.Tensor) and ctx.u.requires_grad)
     )
-    return needs_grad and not ctx.causal and q.shape[-2] * k.shape[-2] <= SMALL_SCORES
+
+
+def _small_with_grad(q, k, v, ctx) -> bool:
+    return _needs_grad(q, k, v, ctx) and not ctx.causal and q.shape[-2] * k.shape[-2] <= SMALL_SCORES
+
+
+def _head_weights(u, q) -> torch.Tensor | None:
+    """u as one weight per (batch, head), (B*H,), or None when it varies within a head."""
+    B, H = q.shape[:2]
+    if not isinstance(u, torch.Tensor):
+        return torch.full((B * H,), float(u), dtype=q.dtype)
+    if u.dim() > 4 or (u.dim() >= 2 and u.shape[-2:] != (1, 1)) or (u.dim() < 2 and u.numel() != 1):
+        return None
+    u = u.reshape(*u.shape[:-2]) if u.dim() >= 2 else u.reshape(())
+    return u.detach().to(q.dtype).expand(B, H).reshape(B * H).contiguous()
+
+
+def _mixed_kernel(q, k, v, mask, scale, ctx):
+    """(1 - u) softmax_j(s) v + u softmax_j(s - c_j) v (Eq. 12 with V entering linearly) from one score
+    panel per task through attnlab's CPU kernel (kernels.mix_attend); None where it does not apply
+    (not built, not CPU float32/64, gradients needed, a mask that depends on both i and j, u not one
+    weight per (batch, head))."""
+    if ctx.causal or _needs_grad(q, k, v, ctx) or not _flash_lse_available(q) or not _separable(mask):
+        return None
+    ops = _cpu_ops()
+    weights = _head_weights(ctx.u, q)
+    if ops is None or weights is None or q.shape[:2] != k.shape[:2]:
+        return None
+    B, H, M, _ = q.shape
+    N = k.shape[-2]
+    c = column_logsumexp(q, k, mask, scale)  # (B, H, N)
+    key_bias = None
+    if mask is not None and mask.shape[-2] == 1 and mask.shape[-1] != 1:
+        key_bias = torch.zeros((), dtype=q.dtype).masked_fill(~mask[..., 0, :], NEG_INF)
+        key_bias = key_bias.expand(B, H, N).reshape(B * H, N).contiguous()
+    out = ops.mix_attend(_heads_flat(q), _heads_flat(k), _heads_flat(v), key_bias,
+                         (-c).reshape(B * H, N).contiguous(), weights, scale)
+    out = out.view(B, H, M, v.shape[-1])
+    rows = _row_valid(mask)
+    return out if rows is None else out.masked_fill(~rows, 0.0)
 
 
 def _fused_dnas(q, k, v, mask, scale, ctx):
@@ -518,6 +596,9 @@ def _fused_hnas(q, k, v, mask, scale, ctx):
     # Eq. (12) with V entering linearly: u * (pi_dnas V) + (1 - u) * (pi_unas V)
     if _small_with_grad(q, k, v, ctx):
         return _SmallDoublyNormalized.apply(q, k, v, _as_weight(ctx.u, q), mask, scale, True)
+    out = _mixed_kernel(q, k, v, mask, scale, ctx)
+    if out is not None:
+        return out
     out_unas = _fused_unas(q, k, v, mask, scale, ctx)
     return torch.lerp(out_unas, _fused_dnas(q, k, v, mask, scale, ctx), _as_weight(ctx.u, q))
 
@@ -528,13 +609,41 @@ def sinkhorn_potentials(q, k, mask=None, scale=None, iters: int = 1) -> torch.Te
 
     With pi_ij = exp(s_ij - c_j - r_i), each half-step is one LSE pass: c_j = logsumexp_i (s_ij - r_i),
     r_i = logsumexp_j (s_ij - c_j); the last row step is the final softmax. iters=1 gives DNAS's c.
+    Without gradients on CPU, each later round (row step, then column step) is one pass of attnlab's
+    kernel (kernels.sinkhorn_round) instead of two.
     """
-    r = None  # row potentials (B, H, M)
-    for step in range(iters):
-        c = column_logsumexp(q, k, mask, scale, query_bias=None if r is None else -r)  # (B, H, N)
-        if step < iters - 1:
-            r = row_logsumexp(q, k, mask, scale, key_bias=-c)
+    c = column_logsumexp(q, k, mask, scale)  # (B, H, N)
+    for _ in range(iters - 1):
+        nxt = _sinkhorn_round_kernel(q, k, c, mask, scale)
+        if nxt is None:
+            r = row_logsumexp(q, k, mask, scale, key_bias=-c)  # (B, H, M)
+            nxt = column_logsumexp(q, k, mask, scale, query_bias=-r)
+        c = nxt
     return c
+
+
+def _sinkhorn_round_kernel(q, k, c, mask, scale):
+    """c' (B, H, N) from c through kernels.sinkhorn_round, or None where it does not apply (gradients,
+    not built, not CPU float32/64, a mask that depends on both i and j)."""
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+    if grad or not _flash_lse_available(q) or not _separable(mask) or q.shape[:2] != k.shape[:2]:
+        return None
+    ops = _cpu_ops()
+    if ops is None:
+        return None
+    B, H, M, _ = q.shape
+    N = k.shape[-2]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    key_bias = row_bias = None
+    if mask is not None and mask.shape[-2] == 1:
+        key_bias = torch.zeros((), dtype=q.dtype).masked_fill(~mask[..., 0, :], NEG_INF)
+        key_bias = key_bias.expand(B, H, N).reshape(B * H, N).contiguous()
+    if mask is not None and mask.shape[-1] == 1:
+        row_bias = torch.zeros((), dtype=q.dtype).masked_fill(~mask[..., 0], NEG_INF)
+        row_bias = row_bias.expand(B, H, M).reshape(B * H, M).contiguous()
+    nxt = ops.sinkhorn_round(_heads_flat(q), _heads_flat(k), c.reshape(B * H, N).contiguous(), key_bias,
+                             row_bias, scale).view(B, H, N)
+    return torch.where(torch.isneginf(nxt), torch.zeros((), dtype=nxt.dtype), nxt)  # empty columns: 0
 
 
 def _fused_sinkhorn(q, k, v, mask, scale, ctx):

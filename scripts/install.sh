@@ -8,10 +8,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
 
-if ! command -v chromium >/dev/null 2>&1; then
+# Debian packages: Chromium (figure export), g++ (attnlab's CPU kernels, attnlab/kernels.py).
+APT=()
+command -v chromium >/dev/null 2>&1 || APT+=(chromium)
+command -v g++ >/dev/null 2>&1 || APT+=(g++)
+if [ ${#APT[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${APT[@]}" >/dev/null
 fi
 
 PIP=("$PY" -m pip install -q --disable-pip-version-check)
@@ -20,3 +24,6 @@ PIP=("$PY" -m pip install -q --disable-pip-version-check)
 if [ "${1:-}" = "--test" ]; then
   "${PIP[@]}" -r requirements-test.txt
 fi
+# Build the CPU kernels now (about 20 s, cached) rather than on the first analysis; without them
+# attnlab still runs, on PyTorch's kernels.
+"$PY" -m attnlab.kernels || echo "note: attnlab's CPU kernels were not built; using PyTorch's kernels" >&2

@@ -1,0 +1,387 @@
+// attnlab CPU kernels: log-sum-exp passes and the hybrid (UNAS + DNAS) output pass, without the
+// (M, N) score matrix. Each task computes one score panel with BLAS (MKL's sgemm_/dgemm_, shipped in
+// libtorch_cpu) into a thread-local buffer and reduces it while it is still in cache.
+//
+//   col_lse(a, b, row_bias, scale):  c[bh, j] = log sum_i exp(scale * a_i . b_j + row_bias_i)
+//       a (BH, M, D), b (BH, N, D), row_bias (BH, M) or empty  ->  c (BH, N); an empty column: -inf.
+//       DNAS's column LSE (Eq. 5) is col_lse(q, k); the row LSE of a Sinkhorn half-step (Eq. 10)
+//       is col_lse(k, q, -c).
+//   mix_attend(q, k, v, key_bias, dnas_bias, u, scale):  out (BH, M, Dv) =
+//       (1 - u) softmax_j(s_ij + key_bias_j) v + u softmax_j(s_ij + key_bias_j + dnas_bias_j) v
+//       with s = scale q k^T; key_bias (BH, N) 0/-inf (key padding) or empty; u (BH,) -- HNAS
+//       (Eq. 12) with dnas_bias = -c; u = 1 gives DNAS or Sinkhorn with its potentials. Rows whose
+//       keys are all masked give 0.
+//   sinkhorn_round(q, k, c, key_bias, row_bias, scale): the next column potential c' (BH, N) of
+//       Sinkhorn (Eq. 10) after a row step with column potentials c (see sinkhorn_round_impl).
+//
+// Vectorized<T> (ATen/cpu/vec) at the width this machine was compiled for (-march=native).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#define CPU_CAPABILITY AVX512
+#define CPU_CAPABILITY_AVX512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CPU_CAPABILITY AVX2
+#define CPU_CAPABILITY_AVX2
+#else
+#define CPU_CAPABILITY DEFAULT
+#endif
+#include <ATen/ATen.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+extern "C" {
+void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
+            const int*, const float*, const int*, const float*, float*, const int*);
+void dgemm_(const char*, const char*, const int*, const int*, const int*, const double*, const double*,
+            const int*, const double*, const int*, const double*, double*, const int*);
+// MKL's per-thread thread count (C interface); weak, so a BLAS without it still links.
+int MKL_Set_Num_Threads_Local(int) __attribute__((weak));
+}
+
+namespace {
+
+// BLAS inside a task runs on the task's thread: MKL would otherwise start its own threads under
+// at::parallel_for's, and two levels of threads on the same cores run ~3x slower.
+struct SerialBlas {
+  int previous = 0;
+  SerialBlas() {
+    if (MKL_Set_Num_Threads_Local) previous = MKL_Set_Num_Threads_Local(1);
+  }
+  ~SerialBlas() {
+    if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(previous);
+  }
+};
+
+constexpr int64_t kRowBlock = 64;     // rows of a score panel in col_lse
+constexpr int64_t kColBlock = 512;    // columns owned by one col_lse task
+constexpr int64_t kPanelElems = 1 << 17;  // mix_attend panel budget (rows * N), 512 KiB of float
+
+// Row-major C (m x n, ldc) = alpha * A (m x k, lda) * B^T (B: n x k, ldb) [+ beta C], via the
+// column-major BLAS: C^T = B A^T.
+inline void gemm_abt(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+                     const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  const int M = (int)n, N = (int)m, K = (int)k, LDA = (int)ldb, LDB = (int)lda, LDC = (int)ldc;
+  sgemm_("T", "N", &M, &N, &K, &alpha, b, &LDA, a, &LDB, &beta, c, &LDC);
+}
+inline void gemm_abt(int64_t m, int64_t n, int64_t k, double alpha, const double* a, int64_t lda,
+                     const double* b, int64_t ldb, double beta, double* c, int64_t ldc) {
+  const int M = (int)n, N = (int)m, K = (int)k, LDA = (int)ldb, LDB = (int)lda, LDC = (int)ldc;
+  dgemm_("T", "N", &M, &N, &K, &alpha, b, &LDA, a, &LDB, &beta, c, &LDC);
+}
+// Row-major C (m x n) = A (m x k, lda) * B (k x n, ldb): C^T = B^T A^T.
+inline void gemm_ab(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+                    int64_t ldb, float* c, int64_t ldc) {
+  const int M = (int)n, N = (int)m, K = (int)k, LDA = (int)ldb, LDB = (int)lda, LDC = (int)ldc;
+  const float one = 1.f, zero = 0.f;
+  sgemm_("N", "N", &M, &N, &K, &one, b, &LDA, a, &LDB, &zero, c, &LDC);
+}
+inline void gemm_ab(int64_t m, int64_t n, int64_t k, const double* a, int64_t lda, const double* b,
+                    int64_t ldb, double* c, int64_t ldc) {
+  const int M = (int)n, N = (int)m, K = (int)k, LDA = (int)ldb, LDB = (int)lda, LDC = (int)ldc;
+  const double one = 1.0, zero = 0.0;
+  dgemm_("N", "N", &M, &N, &K, &one, b, &LDA, a, &LDB, &zero, c, &LDC);
+}
+
+// exp(x) for x <= 0 (every argument here is shifted by a max), branch-free so the loops vectorize:
+// 2^n * 2^f with n = round(x log2 e), |f| <= 1/2, 2^f by a degree-6 polynomial (rel. error ~2e-7);
+// below -87 the result is 0, which also covers -inf.
+inline float exp_nonpos(float x) {
+  float t = x * 1.44269504088896341f;
+  t = t < -126.f ? -126.f : t;
+  const float n = __builtin_rintf(t);  // round to nearest
+  const float f = t - n;
+  float p = 1.5403530393381606e-4f;
+  p = p * f + 1.3333558146428443e-3f;
+  p = p * f + 9.6181291076284772e-3f;
+  p = p * f + 5.5504108664821580e-2f;
+  p = p * f + 2.4022650695910071e-1f;
+  p = p * f + 6.9314718055994531e-1f;
+  p = p * f + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &p, 4);
+  bits += (int32_t)n << 23;
+  float r;
+  std::memcpy(&r, &bits, 4);
+  return x < -87.f ? 0.f : r;
+}
+inline double exp_nonpos(double x) { return std::exp(x); }
+
+// max_j x_j (-inf for n = 0), vectorized; no fast-math assumption that values are finite.
+template <typename T>
+inline T row_max(const T* x, int64_t n) {
+  using Vec = at::vec::Vectorized<T>;
+  return at::vec::reduce_all<T>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, x, n);
+}
+
+template <typename T>
+void col_lse_impl(const T* a, const T* b, const T* rb, T* out, int64_t BH, int64_t M, int64_t N,
+                  int64_t D, int64_t sa_bh, int64_t sa_m, int64_t sb_bh, int64_t sb_n, T scale) {
+  const int64_t n_chunks = (N + kColBlock - 1) / kColBlock;
+  const T ninf = -std::numeric_limits<T>::infinity();
+  at::parallel_for(0, BH * n_chunks, 1, [&](int64_t begin, int64_t end) {
+    SerialBlas serial;
+    std::vector<T> panel(kRowBlock * kColBlock), run_max(kColBlock), run_sum(kColBlock), blk_max(kColBlock);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / n_chunks, j0 = (task % n_chunks) * kColBlock;
+      const int64_t nj = std::min(kColBlock, N - j0);
+      const T* bp = b + bh * sb_bh + j0 * sb_n;
+      const T* rbp = rb ? rb + bh * M : nullptr;
+      std::fill(run_max.begin(), run_max.begin() + nj, ninf);
+      std::fill(run_sum.begin(), run_sum.begin() + nj, T(0));
+      for (int64_t i0 = 0; i0 < M; i0 += kRowBlock) {
+        const int64_t ni = std::min(kRowBlock, M - i0);
+        gemm_abt(ni, nj, D, scale, a + bh * sa_bh + i0 * sa_m, sa_m, bp, sb_n, T(0), panel.data(), nj);
+        std::fill(blk_max.begin(), blk_max.begin() + nj, ninf);
+        for (int64_t i = 0; i < ni; ++i) {  // add the row bias; column maxima of the panel
+          T* row = panel.data() + i * nj;
+          const T bias = rbp ? rbp[i0 + i] : T(0);
+          T* bm = blk_max.data();
+          for (int64_t j = 0; j < nj; ++j) {
+            row[j] += bias;
+            bm[j] = row[j] > bm[j] ? row[j] : bm[j];
+          }
+        }
+        T* rm = run_max.data();
+        T* rs = run_sum.data();
+        T* bm = blk_max.data();
+        for (int64_t j = 0; j < nj; ++j) {  // rescale the running sums to the new maxima
+          const T m_new = bm[j] > rm[j] ? bm[j] : rm[j];
+          const T safe = m_new == ninf ? T(0) : m_new;
+          rs[j] *= exp_nonpos(rm[j] - safe);
+          rm[j] = m_new;
+          bm[j] = safe;
+        }
+        for (int64_t i = 0; i < ni; ++i) {
+          const T* row = panel.data() + i * nj;
+          for (int64_t j = 0; j < nj; ++j) rs[j] += exp_nonpos(row[j] - bm[j]);
+        }
+      }
+      T* o = out + bh * N + j0;
+      for (int64_t j = 0; j < nj; ++j) o[j] = run_max[j] == ninf ? ninf : run_max[j] + std::log(run_sum[j]);
+    }
+  });
+}
+
+// Floor under which sum_j x_j g_j is recomputed from the scores (see mix_attend_impl).
+template <typename T> constexpr T kTiny = T(1e-20);
+template <> constexpr double kTiny<double> = 1e-280;
+
+// One row block per task: s = scale q k^T + key_bias (rows x N) by BLAS; per row, with m the row
+// maximum, x_j = exp(s_j - m) and the per-key g_j = exp(dnas_bias_j - max dnas_bias):
+//   UNAS weights x_j / sum x,  DNAS weights x_j g_j / sum x g  (softmax_j(s_j + dnas_bias_j)),
+// so the mixed row is x_j ((1 - u) / sum x + u g_j / sum x g): one exponential per score. When
+// sum x g underflows (the row's DNAS mass sits far below its UNAS maximum) the row is redone with
+// its own DNAS maximum. Then out = W v by BLAS.
+template <typename T>
+void mix_attend_impl(const T* q, const T* k, const T* v, const T* kb, const T* db, const T* u, T* out,
+                     int64_t BH, int64_t M, int64_t N, int64_t D, int64_t Dv, int64_t sq_bh, int64_t sq_m,
+                     int64_t sk_bh, int64_t sk_n, int64_t sv_bh, int64_t sv_n, T scale) {
+  const int64_t rows = std::max<int64_t>(1, std::min<int64_t>(64, kPanelElems / std::max<int64_t>(N, 1)));
+  const int64_t n_blocks = (M + rows - 1) / rows;
+  const T ninf = -std::numeric_limits<T>::infinity();
+  std::vector<T> g(BH * N);
+  at::parallel_for(0, BH, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const T* d = db + bh * N;
+      T mx = row_max(d, N);
+      mx = mx == ninf ? T(0) : mx;
+      T* gp = g.data() + bh * N;
+      for (int64_t j = 0; j < N; ++j) gp[j] = exp_nonpos(d[j] - mx);
+    }
+  });
+  at::parallel_for(0, BH * n_blocks, 1, [&](int64_t begin, int64_t end) {
+    SerialBlas serial;
+    std::vector<T> s(rows * N), e(N), acc(rows * Dv);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / n_blocks, i0 = (task % n_blocks) * rows;
+      const int64_t ni = std::min(rows, M - i0);
+      const T* kbp = kb ? kb + bh * N : nullptr;
+      const T* dbp = db + bh * N;
+      const T* gp = g.data() + bh * N;
+      const T* qb = q + bh * sq_bh + i0 * sq_m;
+      const T* kp = k + bh * sk_bh;
+      const T uu = u[bh];
+      gemm_abt(ni, N, D, scale, qb, sq_m, kp, sk_n, T(0), s.data(), N);
+      for (int64_t i = 0; i < ni; ++i) {
+        T* sr = s.data() + i * N;
+        if (kbp) for (int64_t j = 0; j < N; ++j) sr[j] += kbp[j];
+        const T m1 = row_max(sr, N);
+        if (m1 == ninf) {  // every key masked: a zero row
+          std::fill(sr, sr + N, T(0));
+          continue;
+        }
+        T l1 = 0, t = 0;
+        for (int64_t j = 0; j < N; ++j) {
+          const T x = exp_nonpos(sr[j] - m1);
+          sr[j] = x;
+          l1 += x;
+          t += x * gp[j];
+        }
+        const T a1 = (T(1) - uu) / l1;
+        if (t > kTiny<T> || uu == T(0)) {
+          const T a2 = uu == T(0) ? T(0) : uu / t;
+          for (int64_t j = 0; j < N; ++j) sr[j] *= a1 + a2 * gp[j];
+          continue;
+        }
+        // rare: recompute this row's scores and take the DNAS part with its own maximum
+        T* er = e.data();
+        gemm_abt(1, N, D, scale, qb + i * sq_m, sq_m, kp, sk_n, T(0), er, N);
+        T m2 = ninf;
+        for (int64_t j = 0; j < N; ++j) {
+          er[j] += dbp[j] + (kbp ? kbp[j] : T(0));
+          m2 = er[j] > m2 ? er[j] : m2;
+        }
+        T l2 = 0;
+        for (int64_t j = 0; j < N; ++j) {
+          er[j] = exp_nonpos(er[j] - m2);
+          l2 += er[j];
+        }
+        const T a2 = uu / l2;
+        for (int64_t j = 0; j < N; ++j) sr[j] = a1 * sr[j] + a2 * er[j];
+      }
+      gemm_ab(ni, Dv, N, s.data(), N, v + bh * sv_bh, sv_n, acc.data(), Dv);
+      T* o = out + (bh * M + i0) * Dv;
+      std::memcpy(o, acc.data(), sizeof(T) * ni * Dv);
+    }
+  });
+}
+
+// One Sinkhorn round (Eq. 10) in potentials: given column potentials c, the row step
+// r_i = logsumexp_j (s_ij - c_j) and the next column step c'_j = logsumexp_i (s_ij - r_i), from one
+// score panel per task. With x_ij = exp(s_ij - c_j - m_i) (m_i the row maximum) and l_i = sum_j x_ij,
+// pi_ij = x_ij / l_i is the row-normalized matrix and c'_j = c_j + log sum_i pi_ij: one exponential
+// per score, no second maximum. When c is the previous column step's potential, every column of the
+// column-normalized matrix sums to 1 and every row of it to at most N, so sum_i pi_ij >= 1/N: the
+// column sums cannot underflow. Invalid keys (key_bias -inf) and queries (row_bias -inf) take no
+// part; a column with no valid query gets -inf. Partial column sums per thread, added at the end.
+template <typename T>
+void sinkhorn_round_impl(const T* q, const T* k, const T* c, const T* kb, const T* rb, T* out, int64_t BH,
+                         int64_t M, int64_t N, int64_t D, int64_t sq_bh, int64_t sq_m, int64_t sk_bh,
+                         int64_t sk_n, T scale) {
+  const int64_t rows = std::max<int64_t>(1, std::min<int64_t>(64, kPanelElems / std::max<int64_t>(N, 1)));
+  const int64_t n_blocks = (M + rows - 1) / rows;
+  const T ninf = -std::numeric_limits<T>::infinity();
+  const int64_t n_threads = at::get_num_threads();
+  std::vector<T> partial(n_threads * BH * N, T(0));
+  at::parallel_for(0, BH * n_blocks, 1, [&](int64_t begin, int64_t end) {
+    SerialBlas serial;
+    std::vector<T> s(rows * N);
+    T* acc_base = partial.data() + at::get_thread_num() * BH * N;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / n_blocks, i0 = (task % n_blocks) * rows;
+      const int64_t ni = std::min(rows, M - i0);
+      const T* cp = c + bh * N;
+      const T* kbp = kb ? kb + bh * N : nullptr;
+      T* acc = acc_base + bh * N;
+      gemm_abt(ni, N, D, scale, q + bh * sq_bh + i0 * sq_m, sq_m, k + bh * sk_bh, sk_n, T(0), s.data(), N);
+      for (int64_t i = 0; i < ni; ++i) {
+        if (rb && rb[bh * M + i0 + i] == ninf) continue;
+        T* sr = s.data() + i * N;
+        if (kbp) {
+          for (int64_t j = 0; j < N; ++j) sr[j] += kbp[j] - cp[j];
+        } else {
+          for (int64_t j = 0; j < N; ++j) sr[j] -= cp[j];
+        }
+        const T m = row_max(sr, N);
+        if (m == ninf) continue;
+        T l = 0;
+        for (int64_t j = 0; j < N; ++j) {
+          const T x = exp_nonpos(sr[j] - m);
+          sr[j] = x;
+          l += x;
+        }
+        const T inv = T(1) / l;
+        for (int64_t j = 0; j < N; ++j) acc[j] += sr[j] * inv;
+      }
+    }
+  });
+  at::parallel_for(0, BH * N, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t idx = begin; idx < end; ++idx) {
+      T total = 0;
+      for (int64_t t = 0; t < n_threads; ++t) total += partial[t * BH * N + idx];
+      out[idx] = total > T(0) ? c[idx] + std::log(total) : ninf;
+    }
+  });
+}
+
+void check_3d(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1, name, " must be (BH, L, D) with a contiguous last dim");
+}
+
+at::Tensor col_lse(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& row_bias,
+                   double scale) {
+  check_3d(a, "a");
+  check_3d(b, "b");
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), "a and b must have one dtype");
+  const int64_t BH = a.size(0), M = a.size(1), N = b.size(1), D = a.size(2);
+  auto out = at::empty({BH, N}, a.options());
+  at::Tensor rb;
+  if (row_bias.has_value()) rb = row_bias->contiguous().to(a.scalar_type());
+  AT_DISPATCH_FLOATING_TYPES(a.scalar_type(), "col_lse", [&] {
+    col_lse_impl<scalar_t>(a.data_ptr<scalar_t>(), b.data_ptr<scalar_t>(),
+                           rb.defined() ? rb.data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>(), BH,
+                           M, N, D, a.stride(0), a.stride(1), b.stride(0), b.stride(1), (scalar_t)scale);
+  });
+  return out;
+}
+
+at::Tensor mix_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const c10::optional<at::Tensor>& key_bias, const at::Tensor& dnas_bias,
+                      const at::Tensor& u, double scale) {
+  check_3d(q, "q");
+  check_3d(k, "k");
+  check_3d(v, "v");
+  const int64_t BH = q.size(0), M = q.size(1), N = k.size(1), D = q.size(2), Dv = v.size(2);
+  auto out = at::empty({BH, M, Dv}, q.options());
+  at::Tensor kb, db = dnas_bias.contiguous().to(q.scalar_type()), uu = u.contiguous().to(q.scalar_type());
+  if (key_bias.has_value()) kb = key_bias->contiguous().to(q.scalar_type());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mix_attend", [&] {
+    mix_attend_impl<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
+                              kb.defined() ? kb.data_ptr<scalar_t>() : nullptr, db.data_ptr<scalar_t>(),
+                              uu.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), BH, M, N, D, Dv,
+                              q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                              (scalar_t)scale);
+  });
+  return out;
+}
+
+at::Tensor sinkhorn_round(const at::Tensor& q, const at::Tensor& k, const at::Tensor& c,
+                          const c10::optional<at::Tensor>& key_bias, const c10::optional<at::Tensor>& row_bias,
+                          double scale) {
+  check_3d(q, "q");
+  check_3d(k, "k");
+  const int64_t BH = q.size(0), M = q.size(1), N = k.size(1), D = q.size(2);
+  auto out = at::empty({BH, N}, q.options());
+  at::Tensor cc = c.contiguous().to(q.scalar_type()), kb, rb;
+  if (key_bias.has_value()) kb = key_bias->contiguous().to(q.scalar_type());
+  if (row_bias.has_value()) rb = row_bias->contiguous().to(q.scalar_type());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "sinkhorn_round", [&] {
+    sinkhorn_round_impl<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), cc.data_ptr<scalar_t>(),
+                                  kb.defined() ? kb.data_ptr<scalar_t>() : nullptr,
+                                  rb.defined() ? rb.data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>(), BH,
+                                  M, N, D, q.stride(0), q.stride(1), k.stride(0), k.stride(1), (scalar_t)scale);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(attnlab, m) {
+  m.def("col_lse(Tensor a, Tensor b, Tensor? row_bias, float scale) -> Tensor");
+  m.def("sinkhorn_round(Tensor q, Tensor k, Tensor c, Tensor? key_bias, Tensor? row_bias, float scale) -> Tensor");
+  m.def("mix_attend(Tensor q, Tensor k, Tensor v, Tensor? key_bias, Tensor dnas_bias, Tensor u, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
+  m.impl("col_lse", &col_lse);
+  m.impl("mix_attend", &mix_attend);
+  m.impl("sinkhorn_round", &sinkhorn_round);
+}

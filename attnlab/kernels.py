@@ -1,0 +1,129 @@
+"""attnlab's CPU kernels (``attnlab/csrc/attnlab_cpu.cpp``), compiled for this machine on first use.
+
+Three operators, registered as ``torch.ops.attnlab.*`` (float32 and float64, CPU, forward only):
+
+    col_lse(a, b, row_bias, scale)      c_j = log sum_i exp(scale a_i . b_j + row_bias_i)   (BH, N)
+    mix_attend(q, k, v, key_bias, dnas_bias, u, scale)
+        (1 - u) softmax_j(s_ij + key_bias_j) v + u softmax_j(s_ij + key_bias_j + dnas_bias_j) v
+    sinkhorn_round(q, k, c, key_bias, row_bias, scale)
+        the next column potential of Sinkhorn after a row step with potentials c    (BH, N)
+
+They are what makes DNAS, HNAS and Sinkhorn cost a small multiple of one SDPA call on CPU: the column
+log-sum-exp is one matrix product per score panel plus a reduction (no value product), HNAS's two
+row passes share one score panel and one exponential per score, and a Sinkhorn round (row step,
+then column step) is one panel pass instead of two (docs/BENCHMARKS.md).
+
+Building needs a C++ compiler (``g++``; scripts/install.sh installs it) and ninja (the ``ninja`` PyPI
+package, in requirements.txt); the build takes about 20 s once and is cached per source, flags and
+torch version and CPU under ``$ATTNLAB_CACHE`` (default ``~/.cache/attnlab``). Concurrent first uses (pytest
+-n, several app sessions) wait for one build through torch's file lock. If the build fails, or with
+``ATTNLAB_KERNELS=0``, ``cpu_ops()`` returns None and attnlab uses PyTorch's own kernels instead
+(correct, slower); the reason is warned once and kept in ``build_error()``.
+
+``python -m attnlab.kernels`` builds the kernels now and prints where they are.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+__all__ = ["cpu_ops", "build_error", "available"]
+
+SOURCE = Path(__file__).parent / "csrc" / "attnlab_cpu.cpp"
+# -march=native: the kernels run where they are built. No -ffast-math: masked scores are -inf, so
+# only the flags that let sums and products be reordered and vectorized.
+CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+          "-fno-signed-zeros"]
+
+_lock = threading.Lock()
+_state: dict = {"tried": False, "ops": None, "error": None}
+
+
+def _cpu_fingerprint() -> str:
+    """The CPU's model and instruction-set flags: a build for one CPU (-march=native) is not reused
+    on another that shares the cache (a network home directory, a copied image)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        keys = ("model name", "flags")
+        return "|".join(next((ln for ln in lines if ln.startswith(key)), "") for key in keys)
+    except OSError:
+        return platform.machine() + platform.processor()
+
+
+def _build_dir() -> Path:
+    key = [SOURCE.read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode(),
+           _cpu_fingerprint().encode()]
+    digest = hashlib.sha256(b"\0".join(key))
+    root = Path(os.environ.get("ATTNLAB_CACHE") or Path.home() / ".cache" / "attnlab")
+    return root / "kernels" / f"cpu-{digest.hexdigest()[:16]}"
+
+
+def _ninja_on_path() -> None:
+    """torch's builder runs ``ninja`` from PATH; the PyPI package's binary may sit outside it."""
+    try:
+        import ninja  # noqa: PLC0415
+
+        bin_dir = getattr(ninja, "BIN_DIR", None)
+    except ImportError:
+        return
+    if bin_dir and bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+
+
+def _build():
+    from torch.utils.cpp_extension import load  # noqa: PLC0415
+
+    _ninja_on_path()
+    directory = _build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    load(name=f"attnlab_cpu_{directory.name.split('-')[1]}", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+         build_directory=str(directory), is_python_module=False, verbose=False)
+    return torch.ops.attnlab
+
+
+def cpu_ops():
+    """``torch.ops.attnlab`` with the CPU kernels, building them on first call; None when they are
+    switched off (``ATTNLAB_KERNELS=0``) or cannot be built here (see :func:`build_error`)."""
+    if _state["tried"]:
+        return _state["ops"]
+    with _lock:
+        if not _state["tried"]:
+            if os.environ.get("ATTNLAB_KERNELS", "1") == "0":
+                _state["error"] = "switched off by ATTNLAB_KERNELS=0"
+            else:
+                try:
+                    _state["ops"] = _build()
+                except Exception as exc:  # no compiler, no ninja, a failed build: fall back, say why
+                    _state["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"
+                    warnings.warn(
+                        f"attnlab: CPU kernels unavailable ({_state['error']}); using PyTorch's kernels "
+                        "(same results, DNAS/HNAS/Sinkhorn slower). Needs g++ and ninja.",
+                        RuntimeWarning, stacklevel=2,
+                    )
+            _state["tried"] = True
+    return _state["ops"]
+
+
+def available() -> bool:
+    return cpu_ops() is not None
+
+
+def build_error() -> str | None:
+    """Why the kernels are not in use (None when they are, or were not asked for yet)."""
+    return _state["error"]
+
+
+if __name__ == "__main__":
+    ops = cpu_ops()
+    if ops is None:
+        print(f"attnlab CPU kernels: not available ({build_error()})", file=sys.stderr)
+        sys.exit(1)
+    print(f"attnlab CPU kernels: built in {_build_dir()}")

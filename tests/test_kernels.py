@@ -1,0 +1,218 @@
+"""attnlab's CPU kernels (attnlab/kernels.py, attnlab/csrc/attnlab_cpu.cpp) against plain torch, and
+the fused attend paths that use them against the PyTorch-only paths (kernels switched off)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import attnlab
+from attnlab import kernels
+from attnlab import normalizers as nz
+
+ops = kernels.cpu_ops()
+needs_kernels = pytest.mark.skipif(ops is None, reason=f"CPU kernels not built: {kernels.build_error()}")
+
+
+def _qkv(seed, B, H, M, N, D, Dv=None, dtype=torch.float32, spread=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    q = spread * torch.randn(B, H, M, D, generator=gen, dtype=dtype)
+    k = torch.randn(B, H, N, D, generator=gen, dtype=dtype)
+    v = torch.randn(B, H, N, Dv or D, generator=gen, dtype=dtype)
+    return q, k, v
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(3, 1, 1), (2, 5, 8), (1, 70, 700), (1, 130, 513), (2, 600, 40)])
+def test_col_lse_equals_torch(dtype, shape):
+    """c_j = logsumexp_i (scale a_i . b_j + bias_i), every panel and chunk size (64 rows, 512 columns)."""
+    BH, M, N = shape
+    gen = torch.Generator().manual_seed(M * N)
+    a = torch.randn(BH, M, 16, generator=gen, dtype=dtype)
+    b = torch.randn(BH, N, 16, generator=gen, dtype=dtype)
+    bias = 3 * torch.randn(BH, M, generator=gen, dtype=dtype)
+    bias[:, ::3] = -math.inf  # masked rows
+    s = a @ b.transpose(1, 2) * 0.25
+    tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(ops.col_lse(a, b, None, 0.25), torch.logsumexp(s, 1), **tol)
+    torch.testing.assert_close(ops.col_lse(a, b, bias, 0.25), torch.logsumexp(s + bias[..., None], 1), **tol)
+
+
+@needs_kernels
+def test_col_lse_empty_columns_and_strides():
+    a, b = torch.randn(2, 6, 4), torch.randn(2, 9, 4)
+    bias = torch.full((2, 6), -math.inf)
+    bias[0, 2] = 0.0
+    c = ops.col_lse(a, b, bias, 1.0)
+    assert torch.isneginf(c[1]).all()  # no valid row at all
+    torch.testing.assert_close(c[0], (a[0, 2] @ b[0].T))
+    wide = torch.randn(2, 9, 8)[..., ::2]  # last dim not contiguous: refused with a message
+    with pytest.raises(RuntimeError, match="contiguous last dim"):
+        ops.col_lse(a, wide, None, 1.0)
+    rows = torch.randn(6, 2, 4).transpose(0, 1)  # (2, 6, 4) with a row stride of 8
+    torch.testing.assert_close(ops.col_lse(rows, b, None, 1.0), torch.logsumexp(rows @ b.transpose(1, 2), 1))
+
+
+def _mix_reference(q, k, v, key_bias, dnas_bias, u, scale):
+    s = q @ k.transpose(-1, -2) * scale
+    if key_bias is not None:
+        s = s + key_bias[:, None, :]
+    pu = torch.softmax(s, -1)
+    pd = torch.softmax(s + dnas_bias[:, None, :], -1)
+    w = (1 - u[:, None, None]) * pu + u[:, None, None] * pd
+    return torch.nan_to_num(w) @ v
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(1, 1, 1, 4), (3, 7, 9, 5), (2, 70, 2100, 12), (1, 200, 300, 64)])
+def test_mix_attend_equals_torch(dtype, shape):
+    """Every u (0, 1, between), key padding, rows with no key; panels of fewer rows for long N."""
+    BH, M, N, Dv = shape
+    gen = torch.Generator().manual_seed(M + N)
+    q = torch.randn(BH, M, 8, generator=gen, dtype=dtype)
+    k = torch.randn(BH, N, 8, generator=gen, dtype=dtype)
+    v = torch.randn(BH, N, Dv, generator=gen, dtype=dtype)
+    dnas_bias = -torch.logsumexp(q @ k.transpose(1, 2) * 0.3, 1)
+    u = torch.linspace(0, 1, BH, dtype=dtype) if BH > 1 else torch.tensor([0.4], dtype=dtype)
+    key_bias = torch.zeros(BH, N, dtype=dtype)
+    key_bias[:, ::4] = -math.inf
+    tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=1e-12, rtol=1e-12)
+    for kb in (None, key_bias):
+        got = ops.mix_attend(q, k, v, kb, dnas_bias, u, 0.3)
+        torch.testing.assert_close(got, _mix_reference(q, k, v, kb, dnas_bias, u, 0.3), **tol)
+    if N > 1:
+        key_bias[0] = -math.inf  # a (batch, head) with every key masked: zero rows, no NaN
+        got = ops.mix_attend(q, k, v, key_bias, dnas_bias, u, 0.3)
+        assert torch.all(got[0] == 0) and torch.isfinite(got).all()
+
+
+@needs_kernels
+def test_mix_attend_underflow_row_is_recomputed():
+    """A row whose DNAS mass sits > 87 nats below its UNAS maximum: sum_j x_j g_j underflows in
+    float32, and the kernel redoes the row with its own DNAS maximum instead of dividing by 0."""
+    q = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])  # (1, 2, 2)
+    k = torch.tensor([[[60.0, 0.0], [0.0, 1.0], [-60.0, 0.0]]])  # (1, 3, 2)
+    v = torch.eye(3)[None]
+    dnas_bias = torch.tensor([[-200.0, 0.0, -5.0]])  # key 0 dominates UNAS, is nearly erased in DNAS
+    u = torch.tensor([0.5])
+    got = ops.mix_attend(q, k, v, None, dnas_bias, u, 1.0)
+    ref = _mix_reference(q.double(), k.double(), v.double(), None, dnas_bias.double(), u.double(), 1.0)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), ref, atol=1e-6, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# attend / column_logsumexp: the kernel paths equal the PyTorch-only paths
+# ---------------------------------------------------------------------------------------------
+
+
+def _masks(B, H, M, N, gen):
+    return {
+        "none": None,
+        "keys": torch.rand(B, 1, 1, N, generator=gen) > 0.3,
+        "queries": torch.rand(B, 1, M, 1, generator=gen) > 0.3,
+        "arbitrary": torch.rand(B, H, M, N, generator=gen) > 0.3,  # not separable: PyTorch path
+    }
+
+
+@needs_kernels
+@pytest.mark.parametrize("variant", ["dnas", "hnas", "sinkhorn"])
+@pytest.mark.parametrize("mask_kind", ["none", "keys", "queries", "arbitrary"])
+def test_attend_kernel_equals_pytorch_path(monkeypatch, variant, mask_kind):
+    B, H, M, N = 2, 3, 150, 190
+    q, k, v = _qkv(7, B, H, M, N, 16, 8)
+    mask = _masks(B, H, M, N, torch.Generator().manual_seed(3))[mask_kind]
+    u = torch.tensor([0.2, 0.5, 0.9]).view(3, 1, 1)
+    kw = dict(mask=mask, u=u, iters=3)
+    with torch.no_grad():
+        fast = attnlab.attend(q, k, v, variant, **kw)
+        monkeypatch.setattr(kernels, "cpu_ops", lambda: None)
+        slow = attnlab.attend(q, k, v, variant, **kw)
+        _, w = attnlab.attend(q, k, v, variant, **kw, return_weights=True)
+    torch.testing.assert_close(fast, slow, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(fast, w @ v, atol=2e-5, rtol=2e-5)
+
+
+@needs_kernels
+def test_hnas_kernel_u_shapes_and_grad_fallback():
+    q, k, v = _qkv(8, 2, 3, 140, 150, 8)
+    ref = {}
+    for u in (0.3, torch.tensor(0.3), torch.full((1, 3, 1, 1), 0.3), torch.full((2, 3, 1, 1), 0.3)):
+        with torch.no_grad():
+            ref[str(type(u)) + str(getattr(u, "shape", ""))] = attnlab.attend(q, k, v, "hnas", u=u)
+    outs = list(ref.values())
+    for o in outs[1:]:
+        torch.testing.assert_close(o, outs[0], atol=1e-6, rtol=1e-6)
+    # a u that varies within a head is not per (batch, head): the PyTorch path, same result
+    u_rows = torch.full((1, 1, 140, 1), 0.3)
+    torch.testing.assert_close(attnlab.attend(q, k, v, "hnas", u=u_rows), outs[0], atol=2e-5, rtol=2e-5)
+    # with gradients the differentiable path runs (the kernel has no backward); same forward value
+    qg = q.clone().requires_grad_()
+    out = attnlab.attend(qg, k, v, "hnas", u=0.3)
+    out.sum().backward()
+    assert qg.grad is not None and torch.isfinite(qg.grad).all()
+    torch.testing.assert_close(out.detach(), outs[0], atol=2e-5, rtol=2e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("mask_kind", ["none", "keys", "queries"])
+def test_column_logsumexp_kernel_gradcheck(mask_kind):
+    """The kernel's forward under _QueryLogSumExp's written-out backward (float64)."""
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(1, 2, 9, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, 7, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(1, 2, 9, generator=gen, dtype=torch.float64, requires_grad=True)
+    mask = _masks(1, 2, 9, 7, gen)[mask_kind]
+    assert nz._lse_kernel(q.detach(), k.detach(), None, mask, 0.5) is not None  # the kernel path runs
+    assert torch.autograd.gradcheck(lambda q, k, b: attnlab.column_logsumexp(q, k, mask, 0.5, b), (q, k, b))
+
+
+def test_switched_off_and_failed_build(monkeypatch):
+    """ATTNLAB_KERNELS=0 or a failed build: cpu_ops() is None, a reason is kept, attend still works."""
+    monkeypatch.setattr(kernels, "_state", {"tried": False, "ops": None, "error": None})
+    monkeypatch.setenv("ATTNLAB_KERNELS", "0")
+    assert kernels.cpu_ops() is None and "ATTNLAB_KERNELS=0" in kernels.build_error()
+    monkeypatch.setattr(kernels, "_state", {"tried": False, "ops": None, "error": None})
+    monkeypatch.delenv("ATTNLAB_KERNELS")
+
+    def broken():
+        raise RuntimeError("Error building extension 'attnlab_cpu'\ng++: command not found")
+
+    monkeypatch.setattr(kernels, "_build", broken)
+    with pytest.warns(RuntimeWarning, match="g\\+\\+: command not found"):
+        assert kernels.cpu_ops() is None
+    assert kernels.available() is False
+    q, k, v = _qkv(9, 1, 2, 20, 30, 4)
+    _, w = attnlab.attend(q, k, v, "hnas", return_weights=True)
+    torch.testing.assert_close(attnlab.attend(q, k, v, "hnas"), w @ v, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(1, 1, 3), (3, 9, 5), (2, 130, 2100), (1, 300, 64)])
+def test_sinkhorn_round_equals_two_half_steps(dtype, shape):
+    """c'_j = logsumexp_i (s_ij - r_i) with r_i = logsumexp_j (s_ij - c_j): the row step, then the
+    column step (Eq. 10), with invalid keys and queries taking no part."""
+    BH, M, N = shape
+    gen = torch.Generator().manual_seed(M * N + 1)
+    q = torch.randn(BH, M, 8, generator=gen, dtype=dtype)
+    k = torch.randn(BH, N, 8, generator=gen, dtype=dtype)
+    s = q @ k.transpose(1, 2) * 0.4
+    key_bias = torch.zeros(BH, N, dtype=dtype)
+    key_bias[:, 1::3] = -math.inf
+    row_bias = torch.zeros(BH, M, dtype=dtype)
+    row_bias[:, ::4] = -math.inf
+    tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=1e-12, rtol=1e-12)
+    for kb, rb in ((None, None), (key_bias, None), (None, row_bias), (key_bias, row_bias)):
+        t = s + (0 if kb is None else kb[:, None, :]) + (0 if rb is None else rb[:, :, None])
+        c = torch.logsumexp(t, 1).nan_to_num(neginf=0.0)  # the column step that comes first
+        r = torch.logsumexp(t - c[:, None, :], 2)
+        ref = torch.logsumexp(t - r[:, :, None].nan_to_num(neginf=math.inf), 1)
+        got = ops.sinkhorn_round(q, k, c, kb, rb, 0.4)
+        finite = torch.isfinite(ref)
+        torch.testing.assert_close(got[finite], ref[finite], **tol)
+        assert torch.isneginf(got[~finite]).all()
