@@ -352,6 +352,33 @@ def _lse_fused(q, k, bias, mask, scale):
     return lse  # (B, H, N)
 
 
+def _lse_cuda(q, k, bias, mask, scale):
+    """Column LSE (B, H, N) on CUDA: the row LSE of the transposed problem from PyTorch's
+    memory-efficient attention kernel, which returns it (float32/half); None where that kernel
+    refuses the problem (float64, a head size it does not take), and the key-block loop runs instead.
+    The additive mask is (B, H, 1 or N, M), padded to a multiple of 16 keys as the kernel wants."""
+    if q.dtype == torch.float64:
+        return None
+    B, H, M, _ = q.shape
+    N = k.shape[-2]
+    add = None
+    if bias is not None or mask is not None:
+        rows = N if mask is not None and mask.shape[-1] != 1 else 1
+        pad = -(-M // 16) * 16
+        add = torch.zeros(B, H, rows, pad, dtype=q.dtype, device=q.device)[..., :M]
+        if bias is not None:
+            add.copy_(bias[..., None, :].expand(B, H, rows, M))
+        if mask is not None:
+            add.masked_fill_(~mask.transpose(-1, -2).expand(B, H, rows, M), NEG_INF)
+        add = add.expand(B, H, N, M)
+    try:
+        _, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+            k, q, q, add, True, 0.0, False, scale=scale)
+    except RuntimeError:
+        return None
+    return lse[..., :N].to(q.dtype)
+
+
 def _mask_block(mask: torch.Tensor | None, j0: int, j1: int) -> torch.Tensor | None:
     if mask is None or mask.shape[-1] == 1:
         return mask
@@ -381,7 +408,10 @@ class _QueryLogSumExp(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, bias, mask, scale):
-        if _flash_lse_available(q):
+        c = _lse_cuda(q, k, bias, mask, scale) if q.device.type == "cuda" else None
+        if c is not None:
+            pass
+        elif _flash_lse_available(q):
             c = _lse_fused(q, k, bias, mask, scale)
         else:
             blocks = _score_blocks(q, k, bias, mask, scale)
@@ -447,14 +477,14 @@ def _sdpa(q, k, v, mask, scale, key_bias=None, causal=False):
         mask = _combine_masks(mask, True, q.shape[-2], k.shape[-2], q.device)
         causal = False
     rows = _row_valid(mask)
-    attn = None
+    # empty rows see every key (then zeroed); a query-only mask (..., M, 1) thus keeps every entry
+    keep = None if mask is None or mask.shape[-1] == 1 else mask | ~rows
+    attn = keep
     if key_bias is not None:
         attn = key_bias[..., None, :]  # (B, H, 1, N)
-        if mask is not None:
-            attn = attn.masked_fill(~(mask | ~rows), NEG_INF)  # empty rows see every key (then zeroed)
+        if keep is not None:
+            attn = attn.masked_fill(~keep, NEG_INF)
         attn = attn.contiguous()
-    elif mask is not None:
-        attn = mask | ~rows
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn, scale=scale, is_causal=causal)
     return out if rows is None else out.masked_fill(~rows, 0.0)
 
@@ -714,14 +744,19 @@ def attend(
     out_dtype = q.dtype
     dt = _compute_dtype(torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype))
     q, k, v = q.to(dt), k.to(dt), v.to(dt)
+    if isinstance(ctx.u, torch.Tensor) and ctx.u.device != q.device:
+        ctx = NormalizerContext(causal=ctx.causal, u=ctx.u.to(q.device), iters=ctx.iters)
 
-    if not return_weights and variant in FUSED:
-        out = FUSED[variant](q, k, v, mask, scale, ctx)
-        if out is not None:
-            return out.to(out_dtype)
+    # Under torch.autocast the products would run in half precision again (and HNAS would mix half
+    # weights with a float32 u): attention is computed in float32 here whatever the caller's autocast.
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        if not return_weights and variant in FUSED:
+            out = FUSED[variant](q, k, v, mask, scale, ctx)
+            if out is not None:
+                return out.to(out_dtype)
 
-    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)  # (B, H, M, N)
-    weights = _normalize(scores, variant, mask, ctx)  # arguments already checked above
-    out = torch.matmul(weights, v).to(out_dtype)
+        scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)  # (B, H, M, N)
+        weights = _normalize(scores, variant, mask, ctx)  # arguments already checked above
+        out = torch.matmul(weights, v).to(out_dtype)
     return (out, weights.to(out_dtype)) if return_weights else out
 

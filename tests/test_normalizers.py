@@ -432,3 +432,20 @@ def test_cuda_matches_cpu(variant, causal):
     gpu_w = attnlab.attend(*dev, variant, **{**kw, "mask": mask.cuda()}, return_weights=True)[1]
     cpu_w = attnlab.attend(q, k, v, variant, **kw, return_weights=True)[1]
     torch.testing.assert_close(gpu_w.cpu(), cpu_w, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("N", [40, 300])  # the small fused autograd function and the large path
+def test_autocast_leaves_attention_in_float32(N):
+    """Under torch.autocast (mixed-precision training) attend still computes in float32: the same
+    result as without autocast, and HNAS's u (a float32 parameter) gets its gradient."""
+    gen = torch.Generator().manual_seed(21)
+    q, k, v = (torch.randn(2, 3, N, 8, generator=gen, requires_grad=True) for _ in range(3))
+    u = torch.full((3, 1, 1), 0.4, requires_grad=True)
+    for variant in VARIANTS:
+        ref = attnlab.attend(q, k, v, variant, u=u, iters=2)
+        with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+            got = attnlab.attend(q, k, v, variant, u=u, iters=2)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, ref)
+        got.sum().backward()
+    assert u.grad is not None and torch.isfinite(u.grad).all() and float(u.grad.abs().sum()) > 0

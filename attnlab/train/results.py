@@ -134,7 +134,7 @@ def _mass_stats(rel: torch.Tensor, M: int) -> list[dict]:
     q = torch.tensor([0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99])
     out = []
     for layer in rel:
-        qs = torch.quantile(layer, q).tolist()
+        qs = torch.quantile(layer, q.to(layer.device)).tolist()
         out.append({"p01": qs[0], "p05": qs[1], "p25": qs[2], "p50": qs[3], "p75": qs[4], "p95": qs[5],
                     "p99": qs[6], "min": float(layer.min()),
                     "explained_away": float((layer < EPS_RELATIVE).float().mean()),
