@@ -2,7 +2,8 @@
 
 Run from the repository root: ``bash scripts/app.sh`` (installs, then ``streamlit run app/streamlit_app.py``).
 Unexpected errors become a short message on the page (the traceback goes to the server log);
-``ATTNLAB_DEBUG=1`` lets them through (tests).
+``ATTNLAB_DEBUG=1`` lets them through (tests). The first run in a server process also removes the
+upload folders that servers killed outright left behind (``appkit.sources.sweep_uploads_once``).
 """
 
 import logging
@@ -14,10 +15,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # no spinning OpenMP threads on a shared CPU
 
 import streamlit as st  # noqa: E402
+from appkit.sources import sweep_uploads_once  # noqa: E402
 
 PAGES = Path(__file__).parent / "app_pages"
 
 st.set_page_config(page_title="attnlab", page_icon=":material/blur_on:", layout="wide")
+sweep_uploads_once()  # upload folders of servers killed outright; once per server process
 page = st.navigation(
     {
         "Analyse a text": [

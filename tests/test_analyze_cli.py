@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import subprocess
@@ -64,6 +65,25 @@ def test_writes_readable_statistics_weights_tokens_and_manifest(tmp_path, capsys
     assert _leftovers(tmp_path) == []
 
 
+def _plotly_figure(html: str) -> tuple[list[dict], dict]:
+    """(data, layout) of the figure in a plotly HTML file: the JSON arguments of Plotly.newPlot."""
+    decoder, i, args = json.JSONDecoder(), html.index("Plotly.newPlot(") + len("Plotly.newPlot("), []
+    for _ in range(3):  # div id, data, layout
+        while html[i] in " \n\t,":
+            i += 1
+        obj, i = decoder.raw_decode(html, i)
+        args.append(obj)
+    return args[1], args[2]
+
+
+def _z(trace: dict) -> np.ndarray:
+    z = trace["z"]  # plotly writes numpy arrays as base64 typed arrays
+    if isinstance(z, dict):
+        shape = [int(n) for n in z["shape"].split(",")]
+        return np.frombuffer(base64.b64decode(z["bdata"]), dtype=np.dtype(z["dtype"])).reshape(shape)
+    return np.asarray(z, dtype=float)
+
+
 def test_html_figures_and_a_note_without_chromium(tmp_path, capsys, minilm, monkeypatch):
     import attnlab.figures.export as export
 
@@ -79,6 +99,18 @@ def test_html_figures_and_a_note_without_chromium(tmp_path, capsys, minilm, monk
     assert "plotly.min.js" in names and not any(n.endswith(".png") for n in names)
     html = (out / "figures" / "column_mass.html").read_text()
     assert 'src="plotly.min.js"' in html and "DNAS floor" in html
+    data, layout = _plotly_figure((out / "figures" / "grid_dnas.html").read_text())
+    with np.load(out / "weights.npz") as npz:
+        w, tokens = npz["dnas"], [str(t) for t in npz["tokens"]]
+    L, H, N, _ = w.shape
+    assert len(data) == 1 and data[0]["type"] == "heatmap"  # the whole grid is one trace
+    z = np.pad(_z(data[0]), ((0, 1), (0, 1)), constant_values=np.nan).reshape(L, N + 1, H, N + 1)
+    np.testing.assert_array_equal(z[:, :N, :, :N].transpose(0, 2, 1, 3), w)  # each tile = one map
+    assert data[0]["x"][N + 1 + 2] == f"head 1 · key 2 {tokens[2]!r}"
+    assert [a["text"] for a in layout["annotations"]] == [f"head {h}" for h in range(H)] + [
+        f"layer {layer}" for layer in range(L)
+    ]
+    assert layout["title"]["text"].startswith("dnas: attention weights by layer and head")
     manifest = json.loads((out / "manifest.json").read_text())
     assert any("Chromium" in note for note in manifest["notes"])
 

@@ -35,8 +35,9 @@ def png_size(data: bytes) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
-def test_tiled_grid_is_one_trace_with_gutters():
-    fig = av.attention_grid_tiled(W["unas"], TOKENS)
+def test_grid_bundle_is_one_trace_with_gutters():
+    b = av.build("grid", W, TOKENS, {"variant": "unas"})  # attnlab.figures.attention_grid
+    fig = b.figure
     assert len(fig.data) == 1
     z = np.asarray(fig.data[0].z, dtype=float)
     assert z.shape == (2 * 7 - 1, 3 * 7 - 1)
@@ -44,8 +45,13 @@ def test_tiled_grid_is_one_trace_with_gutters():
     assert np.isnan(z[6]).all() and np.isnan(z[:, 6]).all()  # gutters
     assert len(set(fig.data[0].x)) == len(fig.data[0].x)  # unique hover labels
     assert [a.text for a in fig.layout.annotations] == ["head 0", "head 1", "head 2", "layer 0", "layer 1"]
-    big = av.attention_grid_tiled(softmax_weights(1, 2, 300, 300), max_tokens=64)
-    assert np.asarray(big.data[0].z).shape == (60, 121) and "5x5 token blocks" in big.layout.title.text
+    assert len(b.table) == 2 * 3 * 6 * 6 and list(b.table.columns[:2]) == ["layer", "head"]
+    np.testing.assert_array_equal(b.arrays["unas"], W["unas"])
+    big = av.build("grid", {"unas": softmax_weights(1, 2, 300, 300)}, ["t"] * 300,
+                   {"variant": "unas", "max_tokens": 64})
+    assert np.asarray(big.figure.data[0].z).shape == (60, 121)
+    assert "5x5 token blocks" in big.figure.layout.title.text
+    assert len(big.table) == 2 * 60 * 60  # the CSV holds the block means the figure draws
 
 
 def test_builders_of_every_kind():

@@ -36,32 +36,65 @@ def strip(labels):
 # ----------------------------------------------------------------------------------------------
 
 
-def test_attention_grid_traces_and_data():
+def grid_maps(z, L, H, m, n):
+    """The (L, H, m, n) maps tiled into an attention_grid's z, and its gutter rows / columns."""
+    z = np.asarray(z, dtype=np.float64)
+    assert z.shape == (L * (m + 1) - 1, H * (n + 1) - 1)
+    padded = np.pad(z, ((0, 1), (0, 1)), constant_values=np.nan).reshape(L, m + 1, H, n + 1)
+    return padded[:, :m, :, :n].transpose(0, 2, 1, 3), padded[:, m], padded[:, :, :, n]
+
+
+def test_attention_grid_is_one_trace_holding_every_map():
     L, H, N = 2, 3, 5
     w = softmax_weights(L, H, N, N)
     tokens = ["[CLS]", "a", "b", "a", "[SEP]"]
     fig = figures.attention_grid(w, tokens, title="grid")
-    assert isinstance(fig, go.Figure)
-    assert len(fig.data) == L * H
-    assert all(isinstance(t, go.Heatmap) and t.coloraxis == "coloraxis" for t in fig.data)
-    for k, trace in enumerate(fig.data):
-        np.testing.assert_array_equal(np.asarray(trace.z), w[k // H, k % H].numpy())
-        assert trace.xaxis == ("x" if k == 0 else f"x{k + 1}")
-        assert trace.text is None and trace.customdata is None  # hover from a template only
-        assert f"layer {k // H}, head {k % H}" in trace.hovertemplate
-    assert strip(fig.data[0].x) == tokens and len(set(fig.data[0].x)) == N  # repeats kept apart
-    assert fig.layout.coloraxis.cmax == pytest.approx(float(w.max()))
+    assert isinstance(fig, go.Figure) and len(fig.data) == 1
+    trace = fig.data[0]
+    assert isinstance(trace, go.Heatmap) and trace.text is None and trace.customdata is None
+    maps, gutter_rows, gutter_cols = grid_maps(trace.z, L, H, N, N)
+    np.testing.assert_array_equal(maps, w.numpy())  # every map, unchanged (float32), in its tile
+    assert np.isnan(gutter_rows[:-1]).all() and np.isnan(gutter_cols[..., :-1]).all()
+    # one unique label per row / column: layer / head, position and token (repeats kept apart)
+    assert len(set(trace.x)) == len(trace.x) and len(set(trace.y)) == len(trace.y)
+    assert trace.x[N + 1 + 3] == "head 1 · key 3 'a'" and trace.x[1] == "head 0 · key 1 'a'"
+    assert trace.y[N + 1] == "layer 1 · query 0 '[CLS]'"
+    assert trace.x[N].strip() == "" and trace.y[N].strip() == ""  # gutters: blank labels
+    for word in ("%{y}", "%{x}", "weight %{z"):
+        assert word in trace.hovertemplate
+    assert trace.hoverongaps is False and trace.zmin == 0 and trace.zmax == pytest.approx(float(w.max()))
+    titles = {a.text: (a.x, a.y) for a in fig.layout.annotations}
+    assert list(titles) == ["head 0", "head 1", "head 2", "layer 0", "layer 1"]
+    assert titles["head 2"][0].startswith("head 2 · ") and titles["layer 1"][1].startswith("layer 1 · ")
+    assert fig.layout.xaxis.type == fig.layout.yaxis.type == "category"
+    assert fig.layout.yaxis.autorange == "reversed"  # layer 0, query 0 at the top
     assert fig.layout.title.text == "grid"
+    assert (fig.layout.width, fig.layout.height) == (80 * H + 200, 80 * L + 130)
+
+
+def test_attention_grid_cross_attention_and_no_tokens():
+    w = softmax_weights(1, 2, 3, 4)  # M = 3 queries, N = 4 keys
+    fig = figures.attention_grid(w, ["k0", "k1", "k2", "k3"], zmax=1.0)
+    maps, _, _ = grid_maps(fig.data[0].z, 1, 2, 3, 4)
+    np.testing.assert_array_equal(maps, w.numpy())
+    assert fig.data[0].y[2] == "layer 0 · query 2" and fig.data[0].x[4 + 1] == "head 1 · key 0 'k0'"
+    assert fig.data[0].zmax == 1.0
+    assert figures.attention_grid(w).data[0].x[0] == "head 0 · key 0"
 
 
 def test_attention_grid_downsamples_large_maps():
-    w = softmax_weights(1, 2, 300, 300)
-    fig = figures.attention_grid(w, max_tokens=128)  # f = ceil(300 / 128) = 3
-    z = np.asarray(fig.data[0].z)
-    assert z.shape == (100, 100)
-    assert z[0, 0] == pytest.approx(float(w[0, 0, :3, :3].mean()), rel=1e-5)
-    assert "3x3" in fig.layout.title.text
-    assert list(fig.data[0].x[:3]) == [0, 3, 6]  # block starts (token indices)
+    w = softmax_weights(2, 2, 300, 300)
+    fig = figures.attention_grid(w, max_tokens=128)  # f = ceil(300 / 128) = 3: 100 x 100 blocks
+    maps, _, _ = grid_maps(fig.data[0].z, 2, 2, 100, 100)
+    blocks = w.numpy().reshape(2, 2, 100, 3, 100, 3).mean((3, 5))
+    np.testing.assert_allclose(maps, blocks, rtol=1e-5)
+    assert "means over 3x3 token blocks" in fig.layout.title.text
+    assert fig.data[0].x[:2] == ("head 0 · keys 0-2", "head 0 · keys 3-5")
+    edge = figures.attention_grid(softmax_weights(1, 1, 5, 5), max_tokens=2)  # f = 3, a partial block
+    m = grid_maps(edge.data[0].z, 1, 1, 2, 2)[0][0, 0]
+    w5 = softmax_weights(1, 1, 5, 5)[0, 0].numpy()
+    assert m[0, 0] == pytest.approx(w5[:3, :3].mean()) and m[1, 1] == pytest.approx(w5[3:, 3:].mean())
+    assert edge.data[0].x[1] == "head 0 · keys 3-4"
 
 
 def test_block_mean_partial_edges():

@@ -757,9 +757,9 @@ def test_five_random_sigkills_then_resume(tmp_path, reliability):
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         seen = len(read_metrics(run / "metrics.jsonl"))
         deadline = time.time() + 90
-        while time.time() < deadline and proc.poll() is None:  # wait until it is training
-            if len(read_metrics(run / "metrics.jsonl")) > seen:
-                break
+        while time.time() < deadline and proc.poll() is None:  # wait until it is training and has
+            if len(read_metrics(run / "metrics.jsonl")) > seen and (run / "latest.json").is_file():
+                break  # a checkpoint (the first one may still be being written after step 0's log line)
             time.sleep(0.01)
         time.sleep(rng.uniform(0.0, 0.5))  # then a random moment
         if proc.poll() is not None:

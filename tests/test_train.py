@@ -191,6 +191,101 @@ def test_sigkill_mid_run_then_resume(tmp_path, text_file):
     assert _same_metrics(recs, read_metrics(tmp_path / "straight" / "metrics.jsonl"))
 
 
+STOP_STEPS = 80
+
+
+def _stop_config(text_file) -> RunConfig:
+    """Checkpoints every 50 steps, so a stop before step 50 must write its own checkpoint."""
+    d = tiny_config(steps=STOP_STEPS, save_every=50, eval_every=40, keep_checkpoints=1).to_dict()
+    d["data"]["corpus"] = str(text_file)
+    return RunConfig.from_dict(d)
+
+
+@pytest.fixture(scope="module")
+def straight_stop_run(tmp_path_factory, text_file):
+    run = tmp_path_factory.mktemp("straight") / "run"
+    train(_stop_config(text_file), run, progress=False)
+    return run
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_stop_signal_checkpoints_the_current_step_then_resume(tmp_path, text_file, straight_stop_run, sig):
+    """SIGTERM (the app's Stop) or SIGINT (Ctrl-C) mid-run: the step in progress finishes, a resumable
+    checkpoint of exactly that step is written, the process exits 0 with a message, and --resume
+    gives the same weights and metrics as an uninterrupted run."""
+    config = _stop_config(text_file)
+    cfg_file = tmp_path / "cfg.json"
+    cfg_file.write_text(json.dumps(config.to_dict()))
+    run = tmp_path / "stopped"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "attnlab.train", "--config", str(cfg_file), "--out", str(run),
+         "--no-progress"],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            recs = read_metrics(run / "metrics.jsonl")
+            if recs and recs[-1]["step"] >= 6:
+                break
+            if proc.poll() is not None:
+                pytest.fail(f"training exited early: {proc.stderr.read()}")
+            time.sleep(0.01)
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    latest = json.loads((run / "latest.json").read_text())
+    stopped_at = latest["step"]
+    assert 6 <= stopped_at < STOP_STEPS, "the run finished before the signal arrived"
+    recs = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in recs] == list(range(stopped_at + 1))  # last logged step == checkpoint
+    assert f"{sig.name} received: stopped after step {stopped_at} with a checkpoint" in err
+    assert json.loads(out)["step"] == stopped_at
+    step_dir = run / latest["dir"]
+    assert (step_dir / "optimizer.safetensors").is_file()  # resumable, not a final checkpoint
+    assert json.loads((step_dir / "trainer_state.json").read_text())["step"] == stopped_at
+    assert not list(run.glob(".tmp-*"))
+
+    result = train(config, run, progress=False, resume=True)
+    assert result.step == STOP_STEPS and result.stopped_by is None
+    recs = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in recs] == list(range(STOP_STEPS + 1))  # every step logged exactly once
+    a, b = _weights(run), _weights(straight_stop_run)
+    assert all(torch.equal(a[k], b[k]) for k in a)  # bitwise
+    assert _same_metrics(recs, read_metrics(straight_stop_run / "metrics.jsonl"))
+
+
+def test_stop_request_handlers_main_thread_only_and_restored():
+    import threading
+
+    from attnlab.train.trainer import _StopRequest
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    stop = _StopRequest()
+    stop.install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)  # handled at the next bytecode: a request, no exit
+        os.kill(os.getpid(), signal.SIGTERM)  # repeated: still one request
+        assert stop.name == "SIGTERM"
+        with pytest.raises(KeyboardInterrupt):  # Ctrl-C after a request: abort at once
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+    finally:
+        stop.restore()
+    assert {s: signal.getsignal(s) for s in before} == before
+    other = _StopRequest()
+    thread = threading.Thread(target=other.install)
+    thread.start()
+    thread.join()
+    assert other._previous == {}  # not the main thread: the caller's handlers stay
+
+
 def test_decoder_and_gam_training(tmp_path, text):
     d = tiny_config(steps=4, eval_every=2).to_dict()
     d["model"].update(kind="decoder", variant="dnas", gam=[True, False],

@@ -11,8 +11,8 @@ A run is a directory under ``runs_dir()`` (runs/ by default) holding what ``attn
 
 The process runs in its own session (``start_new_session``), so it keeps going when the tab closes
 or the server restarts; a page finds it again by scanning the runs directory. Stopping sends SIGTERM
-to its process group: the steps since the last checkpoint (every ``save_every`` steps) are lost, and
-Resume continues from that checkpoint (``attnlab train --resume``; the metrics log is trimmed to it).
+to its process group: the trainer finishes its current step, writes a checkpoint of it and exits
+(nothing is lost), and Resume continues from that checkpoint (``attnlab train --resume``).
 """
 
 from __future__ import annotations
@@ -133,8 +133,10 @@ def _launch(run_dir: Path, resume: bool) -> None:
         str(run_dir),
         "--no-progress",
     ] + (["--resume"] if resume else [])
-    # A shell wrapper records the exit status, so a later server still knows how the run ended.
-    script = f"{shlex.join(cmd)}; echo $? > {shlex.quote(str(run_dir / EXIT))}"
+    # A shell wrapper records the exit status, so a later server still knows how the run ended. It
+    # ignores Stop's SIGTERM (trap) and waits: the run counts as alive until the trainer has written
+    # its checkpoint and exited, so Resume cannot start a second trainer on the same directory.
+    script = f"trap : TERM INT; {shlex.join(cmd)}; echo $? > {shlex.quote(str(run_dir / EXIT))}"
     (run_dir / EXIT).unlink(missing_ok=True)
     (run_dir / STOP).unlink(missing_ok=True)
     env = {
@@ -174,8 +176,8 @@ def make_config(
     tokenizer: str,
 ) -> dict:
     """A run configuration (the format of attnlab/recipes/*.json) from the Train form; logging,
-    evaluation and checkpoint intervals scale with the number of steps (checkpoints every <= 50 steps,
-    so Stop loses little)."""
+    evaluation and checkpoint intervals scale with the number of steps (checkpoints every <= 50 steps;
+    Stop also writes one)."""
     steps = int(steps)
     return {
         "name": name,

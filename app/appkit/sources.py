@@ -4,15 +4,21 @@ Hugging Face directory, or an uploaded checkpoint (safetensors + config).
 A :class:`Source` is a small hashable description; :func:`load` turns it into a loaded model once per
 server (``st.cache_resource``). Hugging Face models go through ``attnlab.hf.load_model``; native
 attnlab checkpoints (``attnlab.models.load``) are wrapped in :class:`NativeModel`.
+
+Uploads go to a per-session :class:`SessionFolder`, removed when the session ends; the folders of a
+server that was killed outright are removed by the next server's start-up sweep
+(:func:`sweep_uploads_once`, :func:`sweep_stale_uploads`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
+import socket
 import tempfile
 import threading
 import weakref
@@ -30,6 +36,7 @@ NATIVE_FORMAT = "attnlab-checkpoint/1"
 UPLOAD_LIMIT_MB = 200  # one uploaded checkpoint file (also server.maxUploadSize)
 # Files an uploaded checkpoint may contain; anything else (and any pickle) is refused.
 UPLOAD_SUFFIXES = (".safetensors", ".json", ".txt", ".model")
+OWNER_FILE = ".owner.json"  # in a session folder: the server process that made it (see sweep_stale_uploads)
 
 
 def uploads_dir() -> Path:
@@ -182,7 +189,8 @@ def load(source: Source):
 class SessionFolder:
     """One app session's upload folder, ``uploads_dir() / name``: removed with everything in it when
     this object is garbage collected, which happens when the session (whose ``st.session_state``
-    holds it) ends."""
+    holds it) ends. :meth:`create` also writes ``.owner.json`` (this server's pid, its start time and
+    PID namespace), from which :func:`sweep_stale_uploads` tells the folders of dead servers."""
 
     def __init__(self, name: str):
         if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
@@ -190,6 +198,98 @@ class SessionFolder:
         self.name = name
         self.path = uploads_dir() / name
         weakref.finalize(self, shutil.rmtree, str(self.path), True)
+
+    def create(self) -> Path:
+        """Make the folder, marked as this server process's; -> its path."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / OWNER_FILE).write_text(json.dumps(_this_process()))
+        return self.path
+
+
+def _process_stat(pid: int) -> tuple[str, str] | None:
+    """(state, start time in clock ticks after boot) of a process from /proc/PID/stat; None when there
+    is no such process or no /proc (not Linux)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields[0], fields[19]  # fields 3 and 22 of proc(5)
+
+
+def _pid_namespace() -> str:
+    """Where a pid means something: this host and PID namespace (containers number processes anew)."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")  # e.g. "pid:[4026531836]"
+    except OSError:
+        namespace = ""
+    return f"{socket.gethostname()} {namespace}"
+
+
+def _this_process() -> dict:
+    stat = _process_stat(os.getpid())
+    return {"pid": os.getpid(), "start": stat and stat[1], "pid_namespace": _pid_namespace()}
+
+
+def _owner_is_dead(owner: dict) -> bool:
+    """True only when it is certain that the process that wrote ``owner`` has ended: same host and PID
+    namespace, and the pid is gone, a zombie, or now a different process (another start time)."""
+    pid = owner.get("pid")
+    if not isinstance(pid, int) or pid <= 0 or owner.get("pid_namespace") != _pid_namespace():
+        return False  # unreadable, or from another machine / container: its pid says nothing here
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass  # exists, owned by another user
+    stat = _process_stat(pid)
+    if stat is None:
+        return False  # no /proc: it exists, which is all we know
+    state, start = stat
+    return state == "Z" or (owner.get("start") is not None and start != owner["start"])
+
+
+def sweep_stale_uploads(root: str | os.PathLike | None = None) -> list[Path]:
+    """Remove the session folders under ``root`` (default :func:`uploads_dir`) whose server process has
+    ended (killed outright, so its sessions never ran their clean-up); -> the folders removed.
+
+    Only folders with a readable ``.owner.json`` naming a dead process of this host and PID namespace
+    go (see :func:`_owner_is_dead`): a live server's folder, a folder being created, one from another
+    container sharing the directory, symlinks and anything else are left alone.
+    """
+    root = uploads_dir() if root is None else Path(root)
+    removed = []
+    for folder in sorted(root.iterdir()) if root.is_dir() else []:
+        if folder.is_symlink() or not folder.is_dir():
+            continue
+        try:
+            owner = json.loads((folder / OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(owner, dict) and _owner_is_dead(owner):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+@st.cache_resource(show_spinner=False)
+def _sweep_once(root: str) -> tuple[str, ...]:
+    try:
+        removed = sweep_stale_uploads(root)
+    except OSError as e:  # an unreadable uploads directory must not stop the app
+        logging.getLogger("attnlab.app").warning("could not sweep the upload folders in %s: %s", root, e)
+        return ()
+    if removed:
+        logging.getLogger("attnlab.app").info(
+            "removed %d upload folder(s) left by ended servers in %s", len(removed), root
+        )
+    return tuple(p.name for p in removed)
+
+
+def sweep_uploads_once() -> tuple[str, ...]:
+    """:func:`sweep_stale_uploads` of the current uploads directory, once per server process (the entry
+    point calls it on every run; ``st.cache_resource`` makes the later calls free); -> names removed."""
+    return _sweep_once(str(uploads_dir()))
 
 
 def save_upload(files: list[tuple[str, bytes]], session: SessionFolder | None = None) -> Source:
@@ -213,7 +313,7 @@ def save_upload(files: list[tuple[str, bytes]], session: SessionFolder | None = 
     digest = hashlib.sha256()
     for name, data in sorted(zip(names, (d for _, d in files), strict=True)):
         digest.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
-    root = uploads_dir() if session is None else session.path
+    root = uploads_dir() if session is None else session.create()
     target = root / digest.hexdigest()[:16]
     if not target.is_dir():
         root.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 
 Builders take plain tensors / arrays plus tokens and return ``plotly.graph_objects.Figure``::
 
-    attention_grid(weights (L, H, N, N), tokens=None, title=...)        layer x head grid of maps
+    attention_grid(weights (L, H, N, N), tokens=None, title=...)        layer x head grid, one trace
     attention_heatmap(weights (N, N), tokens, title=...)                one head, token labels, hover
     column_mass_distribution({variant: masses}, n_valid, u=None, kind="ecdf" | "histogram")
     explained_away_heatmap(fractions (L, H) or {variant: (L, H)}, title)

@@ -6,7 +6,7 @@ and its parameters, and :func:`reproduce_figure` calls the same :func:`build` on
 
 Kinds built from one analysis (weights ``{variant: (L, H, N, N)}`` of one window + its tokens)::
 
-    grid            layer x head maps of one variant in ONE heatmap trace (fast in the browser)
+    grid            layer x head maps of one variant (attnlab.figures.attention_grid: one trace)
     heatmap         one head's map with token labels (attnlab.figures.attention_heatmap)
     head_view       lines from each query to each key, opacity = weight (bertviz-style)
     token_mass      the text's tokens shaded by the attention they receive (column mass)
@@ -42,14 +42,13 @@ import plotly.graph_objects as go
 import torch
 
 from attnlab.figures._data import as_array, block_mean, check_tokens, unique_labels
-from attnlab.figures.attention import COLORSCALE, attention_heatmap
+from attnlab.figures.attention import attention_grid, attention_heatmap
 from attnlab.figures.distributions import column_mass_distribution, explained_away_heatmap
 
 __all__ = [
     "KINDS",
     "FigureBundle",
     "analyze_command",
-    "attention_grid_tiled",
     "build",
     "data_bytes",
     "difference_heatmap",
@@ -96,94 +95,6 @@ class FigureBundle:
 # ----------------------------------------------------------------------------------------------
 # Attention maps
 # ----------------------------------------------------------------------------------------------
-
-
-def attention_grid_tiled(
-    weights,
-    tokens: Sequence[str] | None = None,
-    *,
-    title: str = "Attention by layer and head",
-    max_tokens: int = 64,
-    cell_px: int = 72,
-    zmax: float | None = None,
-) -> go.Figure:
-    """A layer x head grid of maps drawn as ONE heatmap trace with blank gutters between maps.
-
-    One trace (instead of L*H subplots) builds in milliseconds and renders without freezing the
-    browser for MiniLM's 72 maps. Maps longer than ``max_tokens`` are averaged over f x f token
-    blocks (see ``attnlab.figures.attention_grid``); hover names layer, head, query and key.
-    weights: (L, H, M, N) of one example. Gutter cells are NaN (no hover).
-    """
-    w = as_array(weights, "weights", 4)
-    L, H, M, N = w.shape
-    tokens = check_tokens(tokens, N)
-    maps, f = block_mean(w, max_tokens)  # (L, H, m, n)
-    m, n = maps.shape[-2:]
-    z = np.full((L * (m + 1) - 1, H * (n + 1) - 1), np.nan, dtype=np.float32)
-    for layer in range(L):
-        for head in range(H):
-            z[layer * (m + 1) : layer * (m + 1) + m, head * (n + 1) : head * (n + 1) + n] = maps[layer, head]
-
-    def label(i: int, what: str, count: int, toks) -> str:
-        if f == 1:
-            return f"{what} {i} {toks[i]!r}" if toks is not None else f"{what} {i}"
-        return f"{what}s {i * f}-{min((i + 1) * f, count) - 1}"
-
-    # Categorical axes with one unique label per row / column: hover text without per-cell data.
-    xs, ys = [], []
-    for head in range(H):
-        xs += [f"head {head} · {label(j, 'key', N, tokens)}" for j in range(n)]
-        if head < H - 1:
-            xs.append("\u2009" * (head + 1))  # gutter, unique blank label
-    for layer in range(L):
-        ys += [f"layer {layer} · {label(i, 'query', M, tokens if M == N else None)}" for i in range(m)]
-        if layer < L - 1:
-            ys.append("\u2009" * (layer + 1))
-    fig = go.Figure(
-        go.Heatmap(
-            z=z,
-            x=unique_labels(xs),
-            y=unique_labels(ys),
-            colorscale=COLORSCALE,
-            zmin=0.0,
-            zmax=float(np.nanmax(maps)) if zmax is None else zmax,
-            hoverongaps=False,
-            colorbar={"title": {"text": "weight"}},
-            hovertemplate="%{y}<br>%{x}<br>weight %{z:.4f}<extra></extra>",
-        )
-    )
-    fig.update_xaxes(type="category", showticklabels=False, ticks="", showgrid=False, side="top")
-    fig.update_yaxes(type="category", showticklabels=False, ticks="", showgrid=False, autorange="reversed")
-    titles = [  # column and row titles, set at once (add_annotation re-validates every call)
-        {
-            "x": xs[head * (n + 1) + n // 2],
-            "y": 1.0,
-            "yref": "paper",
-            "yanchor": "bottom",
-            "text": f"head {head}",
-        }
-        for head in range(H)
-    ] + [
-        {
-            "y": ys[layer * (m + 1) + m // 2],
-            "x": 0.0,
-            "xref": "paper",
-            "xanchor": "right",
-            "text": f"layer {layer}",
-        }
-        for layer in range(L)
-    ]
-    fig.update_layout(annotations=[{**a, "showarrow": False, "font": {"size": 10}} for a in titles])
-    if f > 1:
-        title = f"{title} (means over {f}x{f} token blocks)"
-    fig.update_layout(
-        title=title,
-        width=cell_px * H + 200,
-        height=cell_px * L + 130,
-        margin={"l": 70, "r": 30, "t": 90, "b": 20},
-        plot_bgcolor="white",
-    )
-    return fig
 
 
 def head_view(
@@ -485,8 +396,12 @@ def build(
         v = p["variant"]
         w = as_array(weights[v], f"weights[{v!r}]", 4)
         if kind == "grid":
-            fig = attention_grid_tiled(
-                w, tokens, title=f"{v}: attention by layer and head", max_tokens=p.get("max_tokens", 64)
+            fig = attention_grid(
+                w,
+                tokens,
+                title=f"{v}: attention by layer and head",
+                max_tokens=p.get("max_tokens", 64),
+                cell_px=72,
             )
             pooled, _ = block_mean(w, p.get("max_tokens", 64))
             return FigureBundle(

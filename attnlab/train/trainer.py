@@ -1,11 +1,15 @@
 """The training loop: AdamW + warm-up/cosine, clipping, periodic eval, metrics.jsonl, checkpoints,
-exact resume, and DistributedDataParallel under torchrun (gloo on CPU, NCCL on CUDA)."""
+exact resume, a clean stop on SIGTERM / SIGINT, and DistributedDataParallel under torchrun (gloo on
+CPU, NCCL on CUDA)."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import signal
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +51,7 @@ class TrainResult:
     final_loss: float | None
     final_eval_loss: float | None
     hybrid_weights: list[list[float]]  # (L, H)
+    stopped_by: str | None = None  # "SIGTERM" / "SIGINT" (or "another rank's signal") if stopped early
 
 
 def learning_rate(step: int, cfg) -> float:
@@ -121,7 +126,7 @@ def column_mass_summary(weights: list[torch.Tensor], eps: float = 0.1) -> list[d
     for w in weights:  # (B, H, M, N)
         M, N = w.shape[-2:]
         rel = (w.float().sum(-2) * (N / M)).flatten()  # (B*H*N,)
-        qs = torch.quantile(rel, q).tolist()
+        qs = torch.quantile(rel, q.to(rel.device)).tolist()
         out.append({
             "p05": qs[0], "p25": qs[1], "p50": qs[2], "p75": qs[3], "p95": qs[4],
             "min": float(rel.min()), "explained_away": float((rel < eps).float().mean()),
@@ -145,6 +150,48 @@ def evaluate(model: TransformerLM, batches: list[dict], device) -> tuple[float, 
             summary = column_mass_summary(out.weights)
     model.train(was_training)
     return total / max(count, 1), summary
+
+
+# ----------------------------------------------------------------------------------------------
+# Stopping on a signal
+# ----------------------------------------------------------------------------------------------
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class _StopRequest:
+    """SIGTERM / SIGINT while training: remember it, so the loop finishes the step it is in, writes a
+    resumable checkpoint and returns (the app's Stop button sends SIGTERM; torchrun forwards SIGTERM
+    and SIGINT to every worker).
+
+    :meth:`install` sets the handlers in the main thread only (the only thread Python delivers signals
+    to; ``train()`` run in another thread keeps the caller's handlers); :meth:`restore` puts the
+    previous ones back. A second SIGINT aborts at once (KeyboardInterrupt), as pressing Ctrl-C
+    twice should; a repeated SIGTERM only repeats the request.
+    """
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:  # no I/O here: the loop reports the stop
+        if signum == signal.SIGINT and self.signum is not None:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    @property
+    def name(self) -> str | None:
+        return None if self.signum is None else signal.Signals(self.signum).name
 
 
 # ----------------------------------------------------------------------------------------------
@@ -233,12 +280,16 @@ def train(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = False
     per-step random streams, so N straight steps and k steps + resume to N give the same weights.
     ``text`` overrides the corpus named in the config (tests). ``stop_after`` ends this invocation after
     that step (with a checkpoint) without changing the schedule, as if the run were interrupted there.
-    Under torchrun every rank calls this; rank 0 writes the files.
+    SIGTERM or SIGINT (when called from the main thread) does the same at the end of the current step;
+    the result's ``stopped_by`` names the signal. Under torchrun every rank calls this; rank 0 writes the
+    files, and the ranks agree on the step to stop at (the stop flag is all-reduced with the loss).
     """
     run_dir = Path(run_dir)
     tc, dc = config.train, config.data
     ddp = _setup_distributed(device)
+    stop = _StopRequest()
     try:
+        stop.install()
         if tc.batch_size % ddp.world:
             raise ValueError(f"train.batch_size={tc.batch_size} must be divisible by the number of "
                              f"processes ({ddp.world})")
@@ -331,6 +382,7 @@ def train(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = False
         last_loss, last_eval = None, None
         model.train()
         end = tc.steps if stop_after is None else max(start, min(tc.steps, stop_after))
+        stopped_by = None
         for step in range(start + 1, end + 1):
             batch, position = data.batch(step, position, tc.batch_size)
             n_global = int((batch["labels"] != IGNORE_INDEX).sum())
@@ -351,8 +403,11 @@ def train(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = False
             tokens_seen += tokens
             tok_last += tokens
             loss_sum = out.loss.detach()
-            if ddp.world > 1:
-                dist.all_reduce(loss_sum)
+            stopping = stop.signum is not None
+            if ddp.world > 1:  # one all-reduce: the global loss, and whether any rank was asked to stop
+                both = torch.stack([loss_sum.float(), torch.tensor(float(stopping), device=loss_sum.device)])
+                dist.all_reduce(both)
+                loss_sum, stopping = both[0], bool(both[1] > 0)
             window[0] += float(loss_sum) / max(n_global, 1)
             window[1] += 1
             is_eval = step % tc.eval_every == 0 or step == tc.steps
@@ -374,14 +429,22 @@ def train(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = False
                 t_last, tok_last, window = time.perf_counter(), 0, [0.0, 0]
             if bar is not None:
                 bar.update(1)
-            if step % tc.save_every == 0 or step == end:
+            if step % tc.save_every == 0 or step == end or stopping:
                 checkpoint(step, position, final=step == tc.steps)
+            if stopping and step < end:  # (a signal during the last step changes nothing)
+                end, stopped_by = step, stop.name or "another rank's signal"
+                break
         if bar is not None:
             bar.close()
         if log is not None:
             log.close()
-        return TrainResult(run_dir, end, last_loss, last_eval, model.hybrid_weights().tolist())
+        if stopped_by and ddp.main:
+            cause = f"{stop.name} received" if stop.name else "another rank received a stop signal"
+            print(f"attnlab train: {cause}: stopped after step {end} with a checkpoint; "
+                  f"continue with --resume (--out {run_dir})", file=sys.stderr, flush=True)
+        return TrainResult(run_dir, end, last_loss, last_eval, model.hybrid_weights().tolist(), stopped_by)
     finally:
+        stop.restore()
         if ddp.initialized_here and dist.is_initialized():
             dist.destroy_process_group()
 
