@@ -39,9 +39,11 @@ __all__ = ["cpu_ops", "build_error", "available"]
 
 SOURCE = Path(__file__).parent / "csrc" / "attnlab_cpu.cpp"
 # -march=native: the kernels run where they are built. No -ffast-math: masked scores are -inf, so
-# only the flags that let sums and products be reordered and vectorized.
+# only the flags that let sums and products be reordered and vectorized. -fopenmp: at::parallel_for
+# is OpenMP inside the extension too (without it the kernels run on one thread).
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
-          "-fno-signed-zeros"]
+          "-fno-signed-zeros", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 
 _lock = threading.Lock()
 _state: dict = {"tried": False, "ops": None, "error": None}
@@ -59,7 +61,7 @@ def _cpu_fingerprint() -> str:
 
 
 def _build_dir() -> Path:
-    key = [SOURCE.read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode(),
+    key = [SOURCE.read_bytes(), " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode(),
            _cpu_fingerprint().encode()]
     digest = hashlib.sha256(b"\0".join(key))
     root = Path(os.environ.get("ATTNLAB_CACHE") or Path.home() / ".cache" / "attnlab")
@@ -85,7 +87,7 @@ def _build():
     directory = _build_dir()
     directory.mkdir(parents=True, exist_ok=True)
     load(name=f"attnlab_cpu_{directory.name.split('-')[1]}", sources=[str(SOURCE)], extra_cflags=CFLAGS,
-         build_directory=str(directory), is_python_module=False, verbose=False)
+         extra_ldflags=LDFLAGS, build_directory=str(directory), is_python_module=False, verbose=False)
     return torch.ops.attnlab
 
 
