@@ -309,8 +309,13 @@ def _cpu_ops():
 
 def _heads_flat(t: torch.Tensor) -> torch.Tensor:
     """(B, H, L, D) -> (B*H, L, D) with a contiguous last dimension, as the CPU kernels take it."""
-    t = t.reshape(-1, *t.shape[-2:])
+    t = t.reshape(t.shape[0] * t.shape[1], *t.shape[-2:])
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _kernel_shapes(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """The CPU kernels take q (B, H, M, D), k (B, H, N, D) with the same B, H and nothing empty."""
+    return q.shape[:2] == k.shape[:2] and q.numel() > 0 and k.numel() > 0
 
 
 def _separable(mask: torch.Tensor | None) -> bool:
@@ -323,7 +328,7 @@ def _lse_kernel(q, k, bias, mask, scale):
     apply (not built, a mask that depends on both i and j). An invalid query enters as bias -inf; a
     key-only mask changes nothing here (the caller zeroes columns without a valid query)."""
     ops = _cpu_ops()
-    if ops is None or not _separable(mask) or q.shape[:2] != k.shape[:2]:
+    if ops is None or not _separable(mask) or not _kernel_shapes(q, k):
         return None
     B, H, M, _ = q.shape
     rb = None if bias is None else bias.expand(B, H, M)
@@ -597,7 +602,7 @@ def _mixed_kernel(q, k, v, mask, scale, ctx):
         return None
     ops = _cpu_ops()
     weights = _head_weights(ctx.u, q)
-    if ops is None or weights is None or q.shape[:2] != k.shape[:2]:
+    if ops is None or weights is None or not _kernel_shapes(q, k):
         return None
     B, H, M, _ = q.shape
     N = k.shape[-2]
@@ -656,7 +661,7 @@ def _sinkhorn_round_kernel(q, k, c, mask, scale):
     """c' (B, H, N) from c through kernels.sinkhorn_round, or None where it does not apply (gradients,
     not built, not CPU float32/64, a mask that depends on both i and j)."""
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
-    if grad or not _flash_lse_available(q) or not _separable(mask) or q.shape[:2] != k.shape[:2]:
+    if grad or not _flash_lse_available(q) or not _separable(mask) or not _kernel_shapes(q, k):
         return None
     ops = _cpu_ops()
     if ops is None:

@@ -216,3 +216,12 @@ def test_sinkhorn_round_equals_two_half_steps(dtype, shape):
         finite = torch.isfinite(ref)
         torch.testing.assert_close(got[finite], ref[finite], **tol)
         assert torch.isneginf(got[~finite]).all()
+
+
+@pytest.mark.parametrize(("M", "N"), [(0, 5), (5, 0), (0, 0)])
+def test_empty_queries_or_keys(M, N):
+    """Nothing to attend to, or nobody asking: the right empty or zero output, no kernel error."""
+    q, k, v = torch.randn(1, 2, M, 4), torch.randn(1, 2, N, 4), torch.randn(1, 2, N, 3)
+    for variant in attnlab.VARIANTS:
+        out = attnlab.attend(q, k, v, variant, iters=3)
+        assert out.shape == (1, 2, M, 3) and torch.all(out == 0)
