@@ -455,6 +455,9 @@ def column_logsumexp(
     valid query get 0. ``mask`` is bool broadcastable to (B, H, M, N); ``query_bias`` is (B, H, M).
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if q.shape[-2] == 0 or k.shape[-2] == 0:  # no query (every column empty: 0) or no key
+        return torch.zeros(*torch.broadcast_shapes(q.shape[:-2], k.shape[:-2]), k.shape[-2],
+                           dtype=q.dtype, device=q.device)
     return _QueryLogSumExp.apply(q, k, query_bias, mask, scale)
 
 
