@@ -1,6 +1,7 @@
-"""attnlab's CPU kernels (``attnlab/csrc/attnlab_cpu.cpp``), compiled for this machine on first use.
+"""attnlab's CPU kernels (``attnlab/csrc/*.cpp``), compiled for this machine on first use, as one library.
 
-Three operators, registered as ``torch.ops.attnlab.*`` (float32 and float64, CPU, forward only):
+``attnlab/csrc/attnlab_cpu.cpp``: three operators, ``torch.ops.attnlab.*`` (float32 and float64, CPU,
+forward only), used by ``attnlab.attend`` and the log-sum-exp functions (:func:`cpu_ops`):
 
     col_lse(a, b, row_bias, scale)      c_j = log sum_i exp(scale a_i . b_j + row_bias_i)   (BH, N)
     mix_attend(q, k, v, key_bias, dnas_bias, u, scale)
@@ -12,6 +13,10 @@ They are what makes DNAS, HNAS and Sinkhorn cost a small multiple of one SDPA ca
 log-sum-exp is one matrix product per score panel plus a reduction (no value product), HNAS's two
 row passes share one score panel and one exponential per score, and a Sinkhorn round (row step,
 then column step) is one panel pass instead of two (docs/BENCHMARKS.md).
+
+``attnlab/csrc/analysis_cpu.cpp``: ``torch.ops.attnlab_hf.head``, one head of ``attnlab.hf``'s fused
+analysis (every variant's weights and every row sum the statistics need in one sweep over the rows;
+:func:`analysis_ops`, used by ``attnlab/hf/weights.py``).
 
 Building needs a C++ compiler (``g++``; scripts/install.sh installs it) and ninja (the ``ninja`` PyPI
 package, in requirements.txt); the build takes about 20 s once and is cached per source, flags and
@@ -35,9 +40,9 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["cpu_ops", "build_error", "available"]
+__all__ = ["cpu_ops", "analysis_ops", "build_error", "available"]
 
-SOURCE = Path(__file__).parent / "csrc" / "attnlab_cpu.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("attnlab_cpu.cpp", "analysis_cpu.cpp")]
 # -march=native: the kernels run where they are built. No -ffast-math: masked scores are -inf, so
 # only the flags that let sums and products be reordered and vectorized. -fopenmp: at::parallel_for
 # is OpenMP inside the extension too (without it the kernels run on one thread).
@@ -61,8 +66,8 @@ def _cpu_fingerprint() -> str:
 
 
 def _build_dir() -> Path:
-    key = [SOURCE.read_bytes(), " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode(),
-           _cpu_fingerprint().encode()]
+    key = [*(src.read_bytes() for src in SOURCES), " ".join(CFLAGS + LDFLAGS).encode(),
+           torch.__version__.encode(), _cpu_fingerprint().encode()]
     digest = hashlib.sha256(b"\0".join(key))
     root = Path(os.environ.get("ATTNLAB_CACHE") or Path.home() / ".cache" / "attnlab")
     return root / "kernels" / f"cpu-{digest.hexdigest()[:16]}"
@@ -86,8 +91,9 @@ def _build():
     _ninja_on_path()
     directory = _build_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    load(name=f"attnlab_cpu_{directory.name.split('-')[1]}", sources=[str(SOURCE)], extra_cflags=CFLAGS,
-         extra_ldflags=LDFLAGS, build_directory=str(directory), is_python_module=False, verbose=False)
+    load(name=f"attnlab_cpu_{directory.name.split('-')[1]}", sources=[str(src) for src in SOURCES],
+         extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, build_directory=str(directory), is_python_module=False,
+         verbose=False)
     return torch.ops.attnlab
 
 
@@ -112,6 +118,12 @@ def cpu_ops():
                     )
             _state["tried"] = True
     return _state["ops"]
+
+
+def analysis_ops():
+    """``torch.ops.attnlab_hf`` (attnlab.hf's analysis kernel) from the same build; None when the
+    kernels are switched off or cannot be built here."""
+    return None if cpu_ops() is None else torch.ops.attnlab_hf
 
 
 def available() -> bool:

@@ -61,6 +61,26 @@ def test_use_variant_restores_the_implementation_even_on_error(minilm):
     assert model.config._attn_implementation == before
 
 
+def test_capture_stops_the_forward_after_the_last_layer_asked_for(minilm):
+    ids = torch.tensor([minilm.tokenizer(TEXTS[0])["input_ids"]])
+    ran = []
+    hook = minilm.model.encoder.layer[2].output.register_forward_hook(lambda *_: ran.append(True))
+    try:
+        with torch.no_grad():
+            with hf.capture_qk(minilm.model, stop_after=2) as first_two:
+                minilm.model(input_ids=ids)
+                ran.append("after the forward")  # skipped: the forward ended early
+            with hf.capture_qk(minilm.model) as every:
+                minilm.model(input_ids=ids)
+    finally:
+        hook.remove()
+    assert len(first_two) == 2 and len(every) == 6
+    assert ran == [True]  # layer 2's feed-forward ran in the full forward only
+    for a, b in zip(first_two, every[:2], strict=True):
+        assert torch.equal(a.query, b.query) and torch.equal(a.key, b.key)
+    assert minilm.model.config._attn_implementation != hf.CAPTURE  # restored
+
+
 def test_load_model_caches_one_copy_per_directory(minilm):
     assert hf.load_model(None) is minilm
     assert hf.load_model(hf.default_model_path()) is not None
@@ -504,6 +524,40 @@ def test_fused_path_handles_a_wide_head_and_matches_the_separate_computations():
     fast = stats._tidy_from_row_sums(sums, (L, H, N, N), special_index=0, u=0.5, eps=0.01, eps_relative=0.1,
                                      reference="unas")
     _assert_tables_close(fast, stats.tidy_table(ws, special=special, u=0.5))
+
+
+@pytest.mark.parametrize("N", [24, 64])  # 64: whole vectors, weights streamed to memory
+@pytest.mark.parametrize("variants", [VARIANTS, ("unas", "hnas"), ("dnas", "sinkhorn"), ("hnas",)])
+@pytest.mark.parametrize("iters", [1, 2, 3])
+def test_kernel_and_pytorch_paths_agree(monkeypatch, variants, iters, N):
+    """attnlab.hf's CPU kernel (attnlab/csrc/analysis_cpu.cpp: a whole head per call) and the PyTorch
+    operations give the same weights and row sums, for every variant subset, Sinkhorn iteration count
+    and u per head (u = 0 and 1 too), with a wide head (log-space fallback) among them."""
+    from attnlab import kernels
+    from attnlab.hf import weights
+
+    if kernels.analysis_ops() is None:
+        pytest.skip(f"attnlab's CPU kernels not available: {kernels.build_error()}")
+    torch.manual_seed(1)
+    L, H, D = 2, 3, 8
+    q, k = torch.randn(L, 1, H, N, D) * 1.5, torch.randn(L, 1, H, N, D) * 1.5
+    q[1, 0, 2] *= 12.0  # one wide head (log-space fallback) among linear ones
+    u = torch.tensor([[0.0, 0.3, 1.0], [0.5, 0.7, 0.2]])[:, None, :, None, None]  # (L, 1, H, 1, 1)
+    special = torch.zeros(N, dtype=torch.bool)
+    special[[0, 3, N - 1]] = True
+    specials = [special, special.roll(1)]
+    runs = {}
+    for use_kernel in (True, False):
+        monkeypatch.setattr(weights, "_USE_KERNEL", use_kernel)
+        runs[use_kernel] = weights._variants_with_sums(q, k, [0.4, 0.35], variants, u, iters, specials)
+    (w_k, sums_k), (w_t, sums_t) = runs[True], runs[False]
+    for v in variants:
+        torch.testing.assert_close(w_k[v], w_t[v], atol=1e-6, rtol=1e-5)
+        for key, t in sums_t[v].items():
+            if t is None:
+                assert sums_k[v][key] is None, (v, key)
+            else:
+                torch.testing.assert_close(sums_k[v][key], t, atol=2e-5, rtol=1e-5, msg=f"{v} {key}")
 
 
 def test_table_recomputes_after_the_weights_change(minilm):

@@ -4,10 +4,12 @@ Public surface::
 
     from attnlab import hf
     loaded = hf.load_model(None)            # embedded MiniLM-L6 (or a save_pretrained directory)
+    on_gpu = hf.load_model(None, device="cuda")  # a copy on a GPU (device="auto": CUDA if available)
     result = hf.analyze("Some text.", loaded, variants=("unas", "dnas"), mode="recompute")
     result.tokens                           # list[str]
     result.weights["dnas"]                  # (L, H, N, N) for a single-window text
     result.table()                          # tidy statistics (attnlab.stats.tidy_table)
+    hf.analyze("Some text.", on_gpu)        # runs on the GPU; weights and tables come back on the CPU
     for w in hf.stream_analysis(long_text): # one WindowResult at a time, bounded memory
         ...
     with hf.use_variant(loaded.model, "dnas"):  # swap a variant into any supported HF model
@@ -48,6 +50,8 @@ from attnlab.hf.loading import (  # noqa: E402
     clear_model_cache,
     default_model_path,
     load_model,
+    model_on,
+    resolve_device,
 )
 from attnlab.hf.weights import MODES, batch_weights  # noqa: E402
 from attnlab.hf.windows import Window, Windowing  # noqa: E402
@@ -77,7 +81,9 @@ __all__ = [
     "hnas_u_from_checkpoint",
     "implementation_name",
     "load_model",
+    "model_on",
     "register_attention_functions",
+    "resolve_device",
     "stream_analysis",
     "use_variant",
 ]

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from attnlab.hf.interface import DEFAULT_ITERS, DEFAULT_U
-from attnlab.hf.loading import LoadedModel, ModelInfo, load_model
+from attnlab.hf.loading import LoadedModel, ModelInfo, model_on
 from attnlab.hf.weights import check_arguments, window_weights_and_sums
 from attnlab.hf.windows import (
     MAX_DEFAULT_WINDOW,
@@ -131,6 +131,7 @@ class AnalysisResult:
     windows: list[WindowResult]
     text_sha256: str
     notes: list[str] = field(default_factory=list)
+    device: str = "cpu"  # where the model ran ("cpu", "cuda:0"); weights and tables are on the CPU
 
     @property
     def n_windows(self) -> int:
@@ -241,6 +242,11 @@ class AnalysisStream:
     def model(self) -> ModelInfo:
         return self.loaded.info
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model runs; the windows' weights come back on the CPU."""
+        return self.loaded.device
+
     def __len__(self) -> int:
         return self.windowing.n_windows
 
@@ -269,6 +275,7 @@ class AnalysisStream:
             windows=windows,
             text_sha256=self.text_sha256,
             notes=list(self.notes),
+            device=str(self.device),
         )
 
 
@@ -290,6 +297,7 @@ def stream_analysis(
     *,
     window: int | None = None,
     overlap: int | None = None,
+    device=None,
 ) -> AnalysisStream:
     """Plan the analysis of ``text`` (tokenize, cut into windows) without running the model yet.
 
@@ -299,7 +307,7 @@ def stream_analysis(
         raise ValueError(f"text must be a str, got {type(text).__name__}")
     if not text.strip():
         raise ValueError("text is empty (or only whitespace); there is nothing to analyse")
-    loaded = model if isinstance(model, LoadedModel) else load_model(model)
+    loaded = model_on(model, device)
     variants = check_arguments(variants, mode, u, iters)
     info = loaded.info
     notes = []
@@ -345,6 +353,7 @@ def analyze(
     window: int | None = None,
     overlap: int | None = None,
     progress: bool = False,
+    device=None,
 ) -> AnalysisResult:
     """Attention weights of every variant on a real model, for every layer and head.
 
@@ -359,9 +368,15 @@ def analyze(
         window: tokens per window, special tokens included; default min(model max length, 512).
         overlap: text tokens shared by consecutive windows; default a quarter of a window.
         progress: show a tqdm bar over windows.
+        device: where the model runs: None (the loaded model's device; the CPU when ``model`` is None
+            or a directory), ``"cpu"``, ``"cuda"``, ``"cuda:<index>"``, a ``torch.device`` or
+            ``"auto"`` (CUDA when available). A model on another device is loaded there once (cached).
+            ValueError naming ``device`` when CUDA is asked for but unavailable. Weights and
+            statistics come back on the CPU either way; ``.device`` says where the model ran.
 
     Returns:
         :class:`AnalysisResult`; ``.weights[variant]`` is (L, H, N, N) for a single-window text.
     """
-    stream = stream_analysis(text, model, variants, mode, u, iters, window=window, overlap=overlap)
+    stream = stream_analysis(text, model, variants, mode, u, iters, window=window, overlap=overlap,
+                             device=device)
     return stream.collect(progress=progress)

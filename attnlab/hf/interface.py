@@ -87,6 +87,12 @@ class _Run:
     capture: list[CapturedLayer] | None = None  # recompute mode: filled by attnlab_capture
     return_weights: bool = False  # swap mode during an analysis: always return weights
     layer: int = 0  # attention calls seen in the current forward = layer index
+    stop_after: int | None = None  # recompute mode: end the forward once this many layers are captured
+
+
+class _CaptureComplete(Exception):
+    """Raised by ``attnlab_capture`` once ``stop_after`` layers are recorded; ends the forward early
+    (caught by :func:`capture_qk`)."""
 
 
 _ACTIVE: contextvars.ContextVar[_Run | None] = contextvars.ContextVar("attnlab_hf_run", default=None)
@@ -196,6 +202,8 @@ def _variant_attention(variant: str):
         if variant == "sinkhorn" and causal:
             iters = 1  # causal Sinkhorn degenerates for iters > 1 (DESIGN.md §2): causal DNAS
         u = _layer_u(settings.u, layer, query.shape[1]) if variant == "hnas" else None
+        if isinstance(u, torch.Tensor):
+            u = u.to(query.device)  # a CPU tensor of the user's, the model on a GPU
         want = bool(kwargs.get("output_attentions")) or (run is not None and run.return_weights)
         p = dropout if module.training else 0.0
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
@@ -227,6 +235,8 @@ def _capture_attention(module, query, key, value, attention_mask, scaling=None, 
                 causal=_is_causal(module, kwargs),
             )
         )
+        if run.stop_after is not None and len(run.capture) >= run.stop_after:
+            raise _CaptureComplete  # nothing after the last q and k is needed
     kwargs.pop("output_attentions", None)  # SDPA returns no weights; the analysis recomputes them
     return sdpa_attention_forward(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
@@ -331,11 +341,17 @@ def use_variant(
 
 
 @contextlib.contextmanager
-def capture_qk(model) -> Iterator[list[CapturedLayer]]:
+def capture_qk(model, *, stop_after: int | None = None) -> Iterator[list[CapturedLayer]]:
     """Record every self-attention call's q and k while the model runs its own (SDPA) attention.
 
     Yields the list that fills with one :class:`CapturedLayer` per attention call, in layer order.
+    With ``stop_after`` (e.g. the model's number of layers) the forward ends as soon as that many
+    calls are recorded, before the last one's attention, feed-forward and anything later run: the
+    rest of the ``with`` block is skipped and execution continues after it.
     """
-    run = _Run(settings=VariantSettings(), capture=[])
+    run = _Run(settings=VariantSettings(), capture=[], stop_after=stop_after)
     with _implementation(model, CAPTURE, run):
-        yield run.capture
+        try:
+            yield run.capture
+        except _CaptureComplete:
+            pass

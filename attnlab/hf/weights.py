@@ -7,7 +7,10 @@
   layers see different inputs too.
 
 Unmasked inputs (one window) take a fast path that computes all variants from one score matrix per
-layer; masked ones (padding, causal models) use :func:`attnlab.attention_weights` directly.
+layer; masked ones (padding, causal models) use :func:`attnlab.attention_weights` directly. One window
+of a bidirectional model on the CPU takes the fused path (:func:`_variants_with_sums`), which also
+computes the statistics' row sums while each head is in cache. The forward stops after the last
+layer's q and k. On a GPU the weights are computed there and copied to the CPU, with the row sums.
 """
 
 from __future__ import annotations
@@ -16,13 +19,15 @@ import math
 import os
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from attnlab import stats
 from attnlab.hf.interface import DEFAULT_ITERS, DEFAULT_U, CapturedLayer, capture_qk, use_variant
-from attnlab.hf.loading import LoadedModel, load_model
-from attnlab.normalizers import VARIANTS, attention_weights, column_logsumexp, sinkhorn_potentials
+from attnlab.hf.loading import LoadedModel, model_on
+from attnlab.normalizers import VARIANTS, attention_weights
 
 __all__ = ["MODES", "LINEAR_SPAN_MAX", "batch_weights"]
 
@@ -65,12 +70,12 @@ def _layer_mask(c: CapturedLayer, valid: torch.Tensor) -> torch.Tensor | None:
     return base & valid[:, None, :, None]
 
 
-def _u_per_layer(u, n_layers: int, n_heads: int):
-    """u as a float or (L, 1, H, 1, 1), broadcastable over (L, B, H, N, N)."""
+def _u_per_layer(u, n_layers: int, n_heads: int, device=None):
+    """u as a float or (L, 1, H, 1, 1) on ``device``, broadcastable over (L, B, H, N, N)."""
     if not isinstance(u, torch.Tensor) or u.numel() == 1:
         return float(u)
     try:
-        u2 = u.float().reshape(u.shape if u.dim() == 2 else (1, -1))  # (L|1, H|1)
+        u2 = u.float().to(device).reshape(u.shape if u.dim() == 2 else (1, -1))  # (L|1, H|1)
         table = torch.broadcast_to(u2, (n_layers, n_heads))
     except RuntimeError:
         raise ValueError(
@@ -87,10 +92,11 @@ def _recompute_with_sums(loaded, input_ids, attention_mask, variants, u, iters, 
     """-> (weights as in :func:`_recompute`, row sums of every variant for the tidy table or None).
 
     The row sums (``attnlab.stats._row_sums`` layout over L*H maps, special-token masses for each
-    mask of ``specials``) come with the fused path only: one unmasked text (B = 1) of a bidirectional
-    model, with ``specials`` given (a list of bool (N,) key masks).
+    mask of ``specials``) come with the fused CPU path only: one unmasked text (B = 1) of a
+    bidirectional model, with ``specials`` given (a list of bool (N,) key masks). Tensors stay on the
+    model's device.
     """
-    with capture_qk(loaded.model) as captured:
+    with capture_qk(loaded.model, stop_after=loaded.info.n_layers) as captured:  # no work after the last q, k
         loaded.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     valid = attention_mask.bool()  # (B, N)
     causal = {c.causal for c in captured}
@@ -100,16 +106,17 @@ def _recompute_with_sums(loaded, input_ids, attention_mask, variants, u, iters, 
     q = torch.stack([c.query for c in captured]).float()  # (L, B, H, N, D)
     k = torch.stack([c.key for c in captured]).float()  # (L, B, H, N, D)
     scale = [c.scaling for c in captured]
-    u_l = _u_per_layer(u, len(captured), q.shape[2])
+    u_l = _u_per_layer(u, len(captured), q.shape[2], q.device)
     masks = [_layer_mask(c, valid) for c in captured]
     if not causal and all(m is None for m in masks):
-        if specials is not None and q.shape[1] == 1:
+        if specials is not None and q.shape[1] == 1 and q.device.type == "cpu":
             return _variants_with_sums(q, k, scale, variants, u_l, iters, specials)
         return _variants_unmasked(q, k, scale, variants, u_l, iters), None
     B, N = valid.shape
-    everything = torch.ones(B, 1, N, N, dtype=torch.bool)  # a layer without a mask
+    everything = torch.ones(B, 1, N, N, dtype=torch.bool, device=q.device)  # a layer without a mask
     mask = torch.stack([everything if m is None else m for m in masks])  # (L, B, 1, N, N)
-    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(torch.tensor(scale).reshape(-1, 1, 1, 1, 1))
+    scale_l = torch.tensor(scale, dtype=q.dtype, device=q.device).reshape(-1, 1, 1, 1, 1)
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale_l)
     weights = {  # (L, B, H, N, N) each
         variant: attention_weights(
             scores,
@@ -124,12 +131,6 @@ def _recompute_with_sums(loaded, input_ids, attention_mask, variants, u, iters, 
     return weights, None
 
 
-def _sinkhorn_bias(q: torch.Tensor, k: torch.Tensor, scale: float, iters: int) -> torch.Tensor:
-    """Sinkhorn (Eq. 10) in scaling form: beta (B, H, N) with weights = softmax_j(s_ij + beta_j),
-    from the fused potentials of :func:`attnlab.normalizers.sinkhorn_potentials` (no (N, N) matrix)."""
-    return -sinkhorn_potentials(q, k, None, scale, iters)
-
-
 # A head whose scores span at most this many nats has exp(s - max) >= e^-60 ~ 1e-26 everywhere: normal
 # float32 numbers, so its normalizations can divide exponentials instead of subtracting log-sum-exps.
 LINEAR_SPAN_MAX = 60.0
@@ -141,7 +142,7 @@ def _variants_unmasked(q, k, scale, variants, u, iters) -> dict[str, torch.Tenso
     The math of :func:`attnlab.attention_weights` (tests check equality), arranged for speed: per
     layer one (B, H, N, N) score matrix, every op over all heads at once, buffers reused. Layers whose
     scores span at most ``LINEAR_SPAN_MAX`` take :func:`_layer_linear` (one exp pass for all variants),
-    others :func:`_layer_log` (log space with fused column passes).
+    others :func:`_layer_log` (log space).
     q, k: (L, B, H, N, D); scale: L floats; u: float or (L, 1, H, 1, 1). Returns (L, B, H, N, N).
     """
     L, B, H, N, _ = q.shape
@@ -165,11 +166,11 @@ def _variants_unmasked(q, k, scale, variants, u, iters) -> dict[str, torch.Tenso
         if not bool(wide.any()):
             _layer_linear(s, **targets)
         elif bool(wide.all()):
-            _layer_log(s, x, ql, kl, scale[layer], **targets)
+            _layer_log(s, x, **targets)
         else:  # linear for every head, then the wide heads again in log space
             s_wide = s[wide][None]  # (1, n, N, N)
             _layer_linear(s, **targets)
-            _heads_log(s_wide, ql[wide][None], kl[wide][None], scale[layer], wide, targets)
+            _heads_log(s_wide, wide, targets)
     return out
 
 
@@ -214,7 +215,7 @@ class _WeightPool:
                     slab = self.free.pop(i)
                     break
         if slab is None or slab.size != n:
-            slab = np.empty(n, dtype=np.float32)
+            slab = _aligned_empty(n)
         return torch.from_numpy(np.asarray(_Lease(slab))).view(shape)
 
     def give_back(self, slab: np.ndarray) -> None:
@@ -227,32 +228,83 @@ class _WeightPool:
             self.free.append(slab)
 
 
+def _aligned_empty(n: int, align: int = 64) -> np.ndarray:
+    """float32 (n,) starting on an ``align``-byte boundary (a cache line: the kernel streams whole
+    lines to memory), a view of a slightly larger array."""
+    raw = np.empty(n + align // 4, dtype=np.float32)
+    start = (-raw.ctypes.data % align) // 4
+    return raw[start : start + n]
+
+
 _POOL = _WeightPool(max_bytes=512 << 20)
 
-# Heads per group of the fused path: a group's scores, exponentials and scratch stay in the caches.
-_GROUP_HEADS = 2
 # Worker threads of the fused path (None: torch's thread count), each running torch with one thread.
 _WORKERS = None
+# Rows per block of the PyTorch row pass: a block's weights are read back while they are still in the
+# core's L2 cache.
+_BLOCK_ROWS = 128
+# The row pass in attnlab's CPU kernel attnlab_hf.head when it is built (attnlab.kernels); False: PyTorch.
+_USE_KERNEL = True
+
+
+@dataclass
+class _FusedBuffers:
+    """Per-map (L*H) products of the fused path, filled head by head, turned into row sums at the end.
+
+    E is exp(scores - their row maxima) of a head; each variant is a diagonal scaling
+    pi = diag(alpha) E diag(beta) (unas: beta = 1; dnas: alpha_d, beta_d; sinkhorn: a, b). Index c of
+    the (L*H, 3, ...) buffers is unas, dnas, sinkhorn.
+    """
+
+    alpha: torch.Tensor  # (LH, 3, N) row factors
+    beta: torch.Tensor  # (LH, 3, N) column factors (1 for unas)
+    cols: torch.Tensor  # (LH, 3, N) alpha^T E (column masses before the column factor)
+    dn_rows: torch.Tensor  # (LH, N, 3 + 2S) E @ [1, beta_d, beta_d ln beta_d, special, beta_d special]
+    sk_rows: torch.Tensor  # (LH, N, 2 + S) E @ [b, b ln b, b special] (sinkhorn, iters >= 2)
+    rows: torch.Tensor  # (LH, N, ROW_SUMS) the row pass' sums, columns as in ROW_SUMS
+
+    @classmethod
+    def new(cls, LH: int, N: int, S: int, like: torch.Tensor) -> _FusedBuffers:
+        z = lambda *shape: like.new_zeros(*shape)  # noqa: E731
+        return cls(alpha=z(LH, 3, N), beta=like.new_ones(LH, 3, N), cols=z(LH, 3, N),
+                   dn_rows=z(LH, N, 3 + 2 * S), sk_rows=z(LH, N, 2 + S), rows=z(LH, N, len(ROW_SUMS)))
+
+
+# Columns of the row pass' sums (attnlab/csrc/analysis_cpu.cpp computes the same): with E and s as
+# in _FusedBuffers, beta_c the column factor of c = unas, dnas, sinkhorn, h the hnas weights, and
+# twice the Jensen-Shannon divergence (nats) of each row of v = dnas, hnas, sinkhorn to unas
+# (``attnlab.stats._js2_rowsum``).
+ROW_SUMS = (
+    "es_unas", "es_dnas", "es_sinkhorn",  # sum_j E_ij s_ij beta_cj
+    "ed_unas", "ed_dnas", "ed_sinkhorn",  # sum_j E_ij |i - j| beta_cj
+    "h_xlogx",  # sum_j h_ij ln h_ij (0 ln 0 = 0)
+    "js2_dnas", "js2_hnas", "js2_sinkhorn",  # 2 JSD(v, unas) per row, nats
+)
+_COL = {name: i for i, name in enumerate(ROW_SUMS)}
 
 
 def _variants_with_sums(q, k, scale, variants, u, iters, specials):
     """Weights of every variant (like :func:`_variants_unmasked`, B = 1) and, computed while each
-    group of heads is in cache, the row sums of ``attnlab.stats._row_sums`` for the tidy table.
+    head's matrices are in cache, the row sums of ``attnlab.stats._row_sums`` for the tidy table.
 
     For heads whose scores span at most ``LINEAR_SPAN_MAX`` every variant is a diagonal scaling of one
     matrix E_ij = exp(s_ij - max_j s_ij): unas = diag(alpha_u) E, dnas = diag(alpha_d) E diag(beta_d),
-    sinkhorn = diag(a) E diag(b), hnas = lerp(unas, dnas, u). Column masses, distances, special-token
-    masses and unas/dnas/sinkhorn row entropies (ln pi_ij = ln alpha_i + s_ij - max + ln beta_j) then
-    come from a few matrix products with E, E * (s - max) and E * |i - j| shared by the variants, and
-    are assembled for all heads at once at the end (:func:`_assemble_sums`); only the hnas entropy
-    and the Jensen-Shannon mixtures take a logarithm pass (with u = 0.5 the dnas/unas mixture is the
-    hnas weights themselves). Groups with a wider head take :func:`_variants_unmasked` and
-    ``_row_sums`` on the weights.
+    sinkhorn = diag(a) E diag(b), hnas = lerp(unas, dnas, u). Sinkhorn's first round is DNAS's, and
+    DNAS's row factors give unas' and dnas' column masses and Sinkhorn's next column step in one
+    product. Column masses, row sums, distances, special-token masses and unas/dnas/sinkhorn row
+    entropies (ln pi_ij = ln alpha_i + s_ij - max_j s_ij + ln beta_j) then come from a few products of
+    E, E * (s - max) and E * |i - j| with the factors, assembled for all heads at once at the end
+    (:func:`_assemble_sums`); only the hnas entropy and the Jensen-Shannon divergences to unas take
+    logarithms of the weights. Heads with wider scores take :func:`_variants_unmasked` and
+    ``_row_sums`` on the weights. One head at a time per worker thread, so that its scores and
+    exponentials stay in the core's cache; the pass over its rows that writes the weights and takes
+    their sums is one sweep in attnlab's CPU kernel ``attnlab_hf.head`` (:mod:`attnlab.kernels`) when
+    it is built, else PyTorch operations on blocks of rows (:func:`_rows_torch`, the same results).
 
     q, k: (L, 1, H, N, D); specials: list of S bool (N,) key masks. Returns ({variant: (L, 1, H, N, N)},
     {variant: row sums over L*H maps}); ``js`` (to unas) when unas is among the variants.
     """
-    from attnlab import stats
+    from attnlab import kernels  # (not at import: importing attnlab builds nothing)
 
     L, B, H, N, _ = q.shape
     assert B == 1
@@ -263,64 +315,59 @@ def _variants_with_sums(q, k, scale, variants, u, iters, specials):
     S = spec.shape[-1]
     dist = stats._distance_matrix(N, N, q)  # (N, N) |i - j|
     u_maps = (q.new_full((LH,), u) if isinstance(u, float) else u.to(q.dtype).reshape(L, H).reshape(LH))
-    hnas_is_mix = bool({"hnas", "dnas", "unas"} <= set(variants) and (u_maps == 0.5).all())
+    js_variants = [v for v in variants if ref is not None and v != ref]
     clamp_hnas = bool((u_maps > 1.0 - 1e-6).any())  # hnas = dnas may underflow to 0: 0 ln 0 = 0
-    buf = {  # per map (L*H), filled group by group, assembled at the end
-        "alpha": q.new_zeros(LH, N, 3),  # row factors of unas, dnas, sinkhorn
-        "beta": q.new_ones(LH, N, 3),  # column factors (1 for unas)
-        "e_beta": q.new_ones(LH, N, 3),  # sum_j E_ij beta_j
-        "cols": q.new_zeros(LH, 3, N),  # sum_i alpha_i E_ij
-        "e_rows": q.new_zeros(LH, N, 2 + 3 * S),  # E @ [beta ln beta (dnas, sinkhorn), beta * special]
-        "es_rows": q.new_zeros(LH, N, 3),  # (E * (s - max)) @ beta
-        "ed_rows": q.new_zeros(LH, N, 3),  # (E * |i - j|) @ beta
-        "rowsum": {v: q.new_zeros(LH, N) for v in variants},  # of the weights themselves
-        "tlogt": {v: q.new_zeros(LH, N) for v in variants if v != ref and ref is not None},
-        "h_xlogx": q.new_zeros(LH, N),
-    }
-    fallback = []  # (rows, {variant: row sums}) of groups with a wide head
+    buf = _FusedBuffers.new(LH, N, S, q)
+    fallback = []  # (row, {variant: row sums}) of wide heads
     # |s_ij| <= scale |q_i| |k_j|: heads whose bound on the score span is small skip the exact check
-    norms = q.norm(dim=-1).amax(-1) * k.norm(dim=-1).amax(-1)  # (L, 1, H)
-    span_bound = 2.0 * torch.tensor(scale)[:, None] * norms[:, 0]  # (L, H)
-    G = min(_GROUP_HEADS, H)
-    queue = [(layer, h0, min(h0 + G, H)) for layer in range(L) for h0 in range(0, H, G)]
+    norms = (q.norm(dim=-1).amax(-1) * k.norm(dim=-1).amax(-1))[:, 0]  # (L, H)
+    span_bound = (2.0 * norms * torch.tensor(scale, dtype=q.dtype)[:, None]).reshape(LH).tolist()
+    # maps, taken one at a time by the workers; those that may be wide first (a wide head costs several
+    # linear ones: started last, it would leave the other workers idle at the end)
+    queue = sorted(range(LH), key=lambda row: -span_bound[row])
+    kernel = kernels.analysis_ops() if _USE_KERNEL else None
+    spec_t = spec.t().contiguous()  # (S, N)
+    settings = _HeadSettings(variants, iters, spec, dist, js_variants, clamp_hnas)
 
     def work(threads: int | None) -> None:
-        """Take groups from the queue until it is empty (``threads``: this worker's torch threads)."""
+        """Take heads from the queue until it is empty (``threads``: this worker's torch threads)."""
         if threads is not None:
             torch.set_num_threads(threads)
-        bufs = [q.new_empty(G, N, N) for _ in range(4)]
+        R = min(N, _BLOCK_ROWS)
+        scratch = [q.new_empty(N, N), q.new_empty(N, N), q.new_empty(4, R, N)]
         while True:
             try:
-                groups = [queue.pop(0)]  # atomic under the GIL
+                row = queue.pop(0)  # atomic under the GIL
             except IndexError:
                 return
-            while groups:
-                layer, h0, h1 = groups.pop(0)
-                g = h1 - h0
-                s, e, x, y = (b[:g] for b in bufs)
-                ql, kl = q[layer, 0, h0:h1], k[layer, 0, h0:h1]
-                torch.baddbmm(s, ql, kl.transpose(-1, -2), beta=0.0, alpha=scale[layer], out=s)
-                rows = slice(layer * H + h0, layer * H + h1)
-                views = {v: out[v][layer, 0, h0:h1] for v in variants}
-                mu = s.amax(-1, keepdim=True)  # (g, N, 1) row maxima
-                gmax = mu.amax(-2, keepdim=True)  # (g, 1, 1)
-                if bool((span_bound[layer, h0:h1] > LINEAR_SPAN_MAX).any()) and bool(
-                    (gmax.view(g) - s.amin((-2, -1)) > LINEAR_SPAN_MAX).any()
-                ):
-                    if g > 1:  # head by head: only the wide ones take the slow path
-                        groups[:0] = [(layer, h, h + 1) for h in range(h0, h1)]
-                        continue
-                    fallback.append((rows, _wide_head(q, k, scale, u, layer, h0, views, variants, iters,
-                                                      spec, dist, ref)))
+            layer, h = divmod(row, H)
+            views = {v: out[v][layer, 0, h] for v in variants}
+            ql, kl, u_h = q[layer, 0, h], k[layer, 0, h], float(u_maps[row])
+            check_span = span_bound[row] > LINEAR_SPAN_MAX
+            if kernel is not None:  # the whole head in the CPU kernel (attnlab/csrc/analysis_cpu.cpp)
+                js = settings.js_variants
+                if kernel.head(ql, kl, scale[layer], spec_t, iters, check_span, u_h,
+                               *(views.get(v) for v in ("unas", "dnas", "hnas", "sinkhorn")), *scratch[:2],
+                               buf.alpha[row], buf.beta[row], buf.cols[row], buf.dn_rows[row],
+                               buf.sk_rows[row], buf.rows[row], "dnas" in js, "hnas" in js, "sinkhorn" in js):
                     continue
-                u_g = u_maps[rows].view(g, 1, 1)
-                _group_linear(s, e, x, y, mu, gmax, views, buf, rows, u_g, iters, spec, dist, ref,
-                              hnas_is_mix, clamp_hnas)
+            else:
+                s = scratch[0]
+                torch.addmm(s, ql, kl.t(), beta=0.0, alpha=scale[layer], out=s)
+                mu = s.amax(-1, keepdim=True)  # (N, 1) row maxima
+                gmax = mu.max()
+                if not (check_span and float(gmax - s.min()) > LINEAR_SPAN_MAX):
+                    s.sub_(mu)  # s_ij - max_j s_ij in [-LINEAR_SPAN_MAX, 0]
+                    rho = mu.sub_(gmax).exp_()  # (N, 1): exp(s - max over the head) = rho_i exp(s_ij - mu_i)
+                    _head_linear(*scratch, rho, views, buf, row, u_h, settings)
+                    continue
+            wide = _wide_head(q, k, scale, u, layer, h, views, variants, iters, spec, dist, ref)
+            fallback.append((row, wide))
 
     workers = _WORKERS if _WORKERS is not None else torch.get_num_threads()
     if workers <= 1:
         work(None)
-    else:  # one torch thread per worker: no per-operation barrier, idle workers take more groups
+    else:  # one torch thread per worker: no per-operation barrier, idle workers take more heads
         import concurrent.futures
 
         previous = torch.get_num_threads()
@@ -330,136 +377,145 @@ def _variants_with_sums(q, k, scale, variants, u, iters, specials):
                     f.result()
         finally:
             torch.set_num_threads(previous)
-    raw = _assemble_sums(buf, variants, ref, u_maps, hnas_is_mix, S)
-    for rows, sums in fallback:
+    raw = _assemble_sums(buf, variants, ref, u_maps, iters, S)
+    for row, sums in fallback:
         for v, r in sums.items():
             for key, t in r.items():
                 if t is not None:
-                    raw[v][key][rows] = t
+                    raw[v][key][row] = t
     return out, raw
+
+
+@dataclass(frozen=True)
+class _HeadSettings:
+    """What :func:`_head_linear` needs besides the head's data (the same for every head)."""
+
+    variants: tuple[str, ...]
+    iters: int
+    spec: torch.Tensor  # (N, S) special-key masks as floats
+    dist: torch.Tensor  # (N, N) |i - j|
+    js_variants: list[str]  # variants whose JS distance to unas is computed
+    clamp_hnas: bool
 
 
 def _wide_head(q, k, scale, u, layer, h, views, variants, iters, spec, dist, ref) -> dict:
     """One head with widely spread scores: weights by :func:`_variants_unmasked` (log space), row sums
     from those weights (``attnlab.stats._row_sums``)."""
-    from attnlab import stats
-
     u_w = u if isinstance(u, float) else u[layer : layer + 1, :, h : h + 1]
     part = _variants_unmasked(q[layer : layer + 1, :, h : h + 1], k[layer : layer + 1, :, h : h + 1],
                               [scale[layer]], variants, u_w, iters)
     sums = {}
     for v in sorted(variants, key=lambda n: n != ref):
-        views[v].copy_(part[v][0, 0])
-        js = None if ref is None or v == ref else (views[ref], sums[ref]["entropy"])
-        sums[v] = stats._row_sums(views[v], spec, dist, js)
-    return sums
+        views[v].copy_(part[v][0, 0, 0])
+        sums[v] = stats._row_sums(views[v][None], spec, dist, None if ref is None or v == ref else views[ref])
+    return {v: {key: None if t is None else t[0] for key, t in r.items()} for v, r in sums.items()}
 
 
-def _group_linear(s, e, x, y, mu, gmax, views, buf, rows, u, iters, spec, dist, ref, hnas_is_mix,
-                  clamp_hnas) -> None:
-    """Weights of one group of heads with scores s (g, N, N) (consumed; mu: row maxima (g, N, 1), gmax
-    (g, 1, 1), e, x, y scratch like s), and its matrix products into ``buf`` rows ``rows``."""
-    g, N, _ = s.shape
-    s.sub_(mu)  # s_ij - max_j s_ij in [-LINEAR_SPAN_MAX, 0]
-    torch.exp(s, out=e)  # E
-    rho = (mu - gmax).exp_().transpose(-1, -2)  # (g, 1, N): exp(s - max over the head) = rho_i E_ij
-    alpha, beta, e_beta = buf["alpha"][rows], buf["beta"][rows], buf["e_beta"][rows]  # (g, N, 3) views
-    torch.matmul(rho, e, out=beta[..., 1].unsqueeze(1)).reciprocal_()  # 1 / column sums: dnas
-    e_beta[..., :2] = torch.matmul(e, beta[..., :2])  # r_i = sum_j E_ij, R_i = sum_j E_ij beta_j
-    torch.reciprocal(e_beta[..., :2], out=alpha[..., :2])
-    a, b, eb = alpha[..., 1], beta[..., 1], e_beta[..., 1]  # sinkhorn after one (column, row) round
-    for _ in range(iters - 1):
-        b = torch.matmul(a.unsqueeze(1), e).reciprocal_().squeeze(1)  # column step (g, N)
-        eb = torch.stack([torch.mv(e[i], b[i]) for i in range(g)])  # row step (the last normalizes)
-        a = eb.reciprocal()
-    alpha[..., 2], beta[..., 2], e_beta[..., 2] = a, b, eb
-    # the weights
-    pu, pd = views.get("unas"), views.get("dnas")
-    if pu is None and "hnas" in views:
-        pu = x
-    if pu is not None:
-        torch.mul(e, alpha[..., :1], out=pu)
-    if pd is None and "hnas" in views:
-        pd = y
-    if pd is not None:
-        torch.mul(e, beta[..., 1].unsqueeze(1), out=pd).mul_(alpha[..., 1:2])
-    if "hnas" in views:
-        torch.lerp(pu, pd, u, out=views["hnas"])
-    if "sinkhorn" in views:
-        torch.mul(e, b.unsqueeze(1), out=views["sinkhorn"]).mul_(a.unsqueeze(-1))
-    # products for the statistics
-    torch.matmul(alpha.transpose(-1, -2), e, out=buf["cols"][rows])  # (g, 3, N)
-    log_betas = beta[..., 1:] * beta[..., 1:].log()  # beta ln beta: (g, N, 2)
-    spec_b = (beta[..., None, :] * spec[:, :, None]).reshape(g, N, -1)  # beta_j special_j: (g, N, 3 S)
-    torch.matmul(e, torch.cat([log_betas, spec_b], -1), out=buf["e_rows"][rows])
-    torch.matmul(torch.mul(e, s, out=s), beta, out=buf["es_rows"][rows])
-    torch.matmul(torch.mul(e, dist, out=s), beta, out=buf["ed_rows"][rows])
-    for v, w in views.items():
-        torch.sum(w, -1, out=buf["rowsum"][v][rows])
-    if "hnas" in views:
-        ph = views["hnas"]
-        t = torch.log(ph, out=s)
-        if clamp_hnas:
-            t.clamp_min_(math.log(torch.finfo(ph.dtype).tiny))
-        torch.sum(t.mul_(ph), -1, out=buf["h_xlogx"][rows])
-    if ref is None:
-        return
-    for v in views:
-        if v == ref or (v == "dnas" and hnas_is_mix):
-            continue
-        t = torch.add(views[v], views[ref], out=x)  # 2 * the mixture; > 0 since unas > 0 here
-        torch.sum(torch.log(t, out=s).mul_(t), -1, out=buf["tlogt"][v][rows])
+def _head_linear(s, e, blocks, rho, views, buf: _FusedBuffers, row: int, u: float, cfg: _HeadSettings):
+    """Weights of one head from its scores less their row maxima s (N, N) (in [-LINEAR_SPAN_MAX, 0]; rho
+    (N, 1) = exp(row max - head max); e (N, N) and blocks (4, R, N) are scratch), and its products into
+    ``buf`` row ``row``. Eq. numbers of "Attention that does not Explain Away": unas (1), dnas (5), sinkhorn
+    (10), hnas (12)."""
+    torch.exp(s, out=e)  # E_ij = exp(s_ij - max_j s_ij)
+    alpha, beta = buf.alpha[row], buf.beta[row]  # (3, N) each
+    b_d = beta[1]
+    torch.mm(rho.t(), e, out=b_d[None]).reciprocal_()  # dnas column step: 1 / sum_i rho_i E_ij
+    col = b_d[:, None]  # (N, 1)
+    w = torch.cat([beta[0, :, None], col, col * col.log(), cfg.spec, col * cfg.spec], 1)  # (N, 3 + 2S)
+    dn = buf.dn_rows[row]  # (N, 3 + 2S)
+    torch.mm(e, w, out=dn)  # r_i = sum_j E_ij, R_i = sum_j E_ij beta_j, ...
+    torch.reciprocal(dn[:, :2].t(), out=alpha[:2])  # alpha_u = 1 / r, alpha_d = 1 / R (dnas row step)
+    torch.mm(alpha[:2], e, out=buf.cols[row, :2])  # unas column masses; dnas' before beta_d
+    if "sinkhorn" in views and cfg.iters > 1:
+        b = buf.cols[row, 1].reciprocal()  # Sinkhorn's second column step (its first round is dnas)
+        for _ in range(cfg.iters - 2):
+            a = torch.mv(e, b).reciprocal_()  # row step
+            b = torch.mv(e.t(), a).reciprocal_()  # column step
+        beta[2] = b
+        sk = buf.sk_rows[row]  # (N, 2 + S)
+        torch.mm(e, torch.cat([b[:, None], (b * b.log())[:, None], b[:, None] * cfg.spec], 1), out=sk)
+        torch.reciprocal(sk[:, 0], out=alpha[2])  # the last row step normalizes the rows
+        torch.mv(e.t(), alpha[2], out=buf.cols[row, 2])
+    else:  # sinkhorn with one round is dnas
+        alpha[2], beta[2], buf.cols[row, 2] = alpha[1], b_d, buf.cols[row, 1]
+    _rows_torch(s, e, blocks, views, buf.rows[row], alpha, beta, u, cfg)
 
 
-def _assemble_sums(buf, variants, ref, u_maps, hnas_is_mix, S) -> dict:
+def _rows_torch(s, e, blocks, views, sums, alpha, beta, u: float, cfg: _HeadSettings) -> None:
+    """The row pass of :func:`_head_linear` with PyTorch operations: the weights, and the sums of
+    ``ROW_SUMS`` into ``sums`` (N, len(ROW_SUMS)), a block of rows at a time (kept in L2 cache)."""
+    factors = beta.t()  # (N, 3)
+    N, R = e.shape[0], blocks.shape[1]
+    pu_v, pd_v, ph_v, ps_v = (views.get(v) for v in ("unas", "dnas", "hnas", "sinkhorn"))
+    for i0 in range(0, N, R):
+        rows = slice(i0, min(i0 + R, N))
+        x, y, tu, td = blocks[:, : rows.stop - i0]
+        eb, out = e[rows], sums[rows]
+        # products for the entropies and distances of unas, dnas, sinkhorn
+        torch.mm(torch.mul(eb, s[rows], out=x), factors, out=out[:, 0:3])
+        torch.mm(torch.mul(eb, cfg.dist[rows], out=x), factors, out=out[:, 3:6])
+        pu = pu_v[rows] if pu_v is not None else (tu if ph_v is not None else None)
+        if pu is not None:
+            torch.mul(eb, alpha[0, rows, None], out=pu)
+        pd = pd_v[rows] if pd_v is not None else (td if ph_v is not None else None)
+        if pd is not None:
+            torch.mul(eb, beta[1], out=pd).mul_(alpha[1, rows, None])
+        if ps_v is not None:
+            torch.mul(eb, beta[2], out=ps_v[rows]).mul_(alpha[2, rows, None])
+        if ph_v is not None:  # and sum_j x ln x of the hnas weights
+            ph = torch.lerp(pu, pd, u, out=ph_v[rows])
+            t = torch.log(ph, out=x)
+            if cfg.clamp_hnas:
+                t.clamp_min_(math.log(torch.finfo(ph.dtype).tiny))
+            torch.sum(t.mul_(ph), -1, out=out[:, _COL["h_xlogx"]])
+        for v in cfg.js_variants:  # 2 JSD(v, unas) per row (every weight > 0 in a linear head)
+            stats._js2_rowsum(views[v][rows], pu, x, y, out=out[:, _COL["js2_" + v]], positive=True)
+
+
+def _assemble_sums(buf: _FusedBuffers, variants, ref, u_maps, iters, S) -> dict:
     """Row sums of every variant (``attnlab.stats._row_sums`` layout) from the products in ``buf``,
     for all maps at once: pi = alpha_i E_ij beta_j, so sum_j pi ln pi = ln alpha_i sum_j pi
     + alpha_i sum_j E_ij (s_ij - max) beta_j + alpha_i sum_j E_ij beta_j ln beta_j."""
-    alpha, beta, e_beta, cols = buf["alpha"], buf["beta"], buf["e_beta"], buf["cols"]
-    es_rows, ed_rows, e_rows = buf["es_rows"], buf["ed_rows"], buf["e_rows"]
+    dn, sk = buf.dn_rows, buf.sk_rows
+    if iters == 1:  # sinkhorn = dnas
+        sk = torch.cat([dn[..., 1:3], dn[..., 3 + S :]], -1)
+    rows = {  # (sum_j E beta, sum_j E beta ln beta or None, sum_j E beta special)
+        "unas": (dn[..., 0], None, dn[..., 3 : 3 + S]),
+        "dnas": (dn[..., 1], dn[..., 2], dn[..., 3 + S :]),
+        "sinkhorn": (sk[..., 0], sk[..., 1], sk[..., 2:]),
+    }
     fact = {}
     for c, v in enumerate(("unas", "dnas", "sinkhorn")):
-        al = alpha[..., c]
-        xlogx = al.log() * (al * e_beta[..., c]) + al * es_rows[..., c]
-        if c:
-            xlogx += al * e_rows[..., c - 1]
+        al = buf.alpha[:, c]  # (LH, N)
+        e_beta, e_blogb, e_spec = rows[v]
+        rowsum = al * e_beta
+        xlogx = al.log() * rowsum + al * buf.rows[..., _COL["es_" + v]]
+        if e_blogb is not None:
+            xlogx += al * e_blogb
         fact[v] = {
-            "cols": cols[:, c] * beta[..., c], "entropy": xlogx.neg_(), "distance": al * ed_rows[..., c],
-            "special": al[..., None] * e_rows[..., 2 + c :: 3],
+            "cols": buf.cols[:, c] * buf.beta[:, c], "rowsum": rowsum, "entropy": xlogx.neg_(),
+            "distance": al * buf.rows[..., _COL["ed_" + v]], "special": al[..., None] * e_spec,
         }
     if "hnas" in variants:
         w = u_maps[:, None]
         fact["hnas"] = {
-            "cols": torch.lerp(fact["unas"]["cols"], fact["dnas"]["cols"], w),
-            "entropy": -buf["h_xlogx"],
-            "distance": torch.lerp(fact["unas"]["distance"], fact["dnas"]["distance"], w),
-            "special": torch.lerp(fact["unas"]["special"], fact["dnas"]["special"], w[..., None]),
+            key: torch.lerp(fact["unas"][key], fact["dnas"][key], w if key != "special" else w[..., None])
+            for key in ("cols", "rowsum", "distance", "special")
         }
-    raw = {}
+        fact["hnas"]["entropy"] = -buf.rows[..., _COL["h_xlogx"]]
+    raw = {v: dict(fact[v], js=None) for v in variants}
     for v in variants:
-        raw[v] = dict(fact[v], rowsum=buf["rowsum"][v], js=None)
-    if ref is not None:
-        h_u, rs_u = raw[ref]["entropy"], raw[ref]["rowsum"]
-        for v in variants:
-            if v == ref:
-                continue
-            if v == "dnas" and hnas_is_mix:
-                mlogm = -raw["hnas"]["entropy"]  # the mixture (dnas + unas) / 2 is hnas with u = 0.5
-            else:  # sum_j m ln m with m = t / 2
-                mlogm = 0.5 * buf["tlogt"][v] - (0.5 * LN2) * (raw[v]["rowsum"] + rs_u)
-            jsd = (-mlogm - 0.5 * (raw[v]["entropy"] + h_u)) / LN2  # H(m) - (H(p) + H(q)) / 2, bits
-            raw[v]["js"] = jsd.clamp_(0.0, 1.0).sqrt_()
-            if v == "hnas":  # u = 0: hnas is unas bit for bit, at distance exactly 0 (not sqrt(rounding))
-                raw[v]["js"].masked_fill_((u_maps == 0.0)[:, None], 0.0)
+        if ref is not None and v != ref:  # JSD in bits = (2 JSD in nats) / (2 ln 2); distance = sqrt
+            raw[v]["js"] = (buf.rows[..., _COL["js2_" + v]] / (2.0 * LN2)).clamp_(0.0, 1.0).sqrt_()
     return raw
 
 
-def _heads_log(s, q, k, scale, heads, targets) -> None:
+def _heads_log(s, heads, targets) -> None:
     """Recompute the (B, H) heads selected by ``heads`` in log space; s: (1, n, N, N) their scores."""
     sub = {name: None if t is None else torch.empty_like(s) for name, t in targets.items() if name[0] == "p"}
     u = targets["u"]
     u = u if isinstance(u, float) else u.expand(*heads.shape, 1, 1)[heads][None]  # (1, n, 1, 1)
-    _layer_log(s, torch.empty_like(s), q, k, scale, u=u, iters=targets["iters"], **sub)
+    _layer_log(s, torch.empty_like(s), u=u, iters=targets["iters"], **sub)
     for name, t in sub.items():
         if t is not None:
             targets[name][heads] = t[0]
@@ -495,27 +551,26 @@ def _layer_linear(s, pu, pd, ph, ps, u, iters) -> None:
     ps.div_(ps.sum(-1, keepdim=True))
 
 
-def _layer_log(s, x, q, k, scale, pu, pd, ph, ps, u, iters) -> None:
-    """One layer's variants in log space, for heads with widely spread scores.
+def _layer_log(s, x, pu, pd, ph, ps, u, iters) -> None:
+    """One layer's variants in log space, for heads with widely spread scores s (B, H, N, N).
 
-    unas = softmax_j(s) (Eq. 1); dnas = softmax_j(s_ij - c_j), c_j = logsumexp_i s_ij from the fused
-    column pass :func:`attnlab.column_logsumexp` (Eq. 5, DESIGN.md §2); hnas = lerp(unas, dnas, u)
-    (Eq. 12); sinkhorn = softmax_j(s_ij + beta_j) with beta from :func:`_sinkhorn_bias` (Eq. 10).
+    unas = softmax_j(s) (Eq. 1); dnas = softmax_j(s_ij - c_j), c_j = logsumexp_i s_ij (Eq. 5, DESIGN.md
+    §2); hnas = lerp(unas, dnas, u) (Eq. 12); sinkhorn = softmax_j(s_ij - c_j) with the column
+    potentials after ``iters`` (column, row) rounds of logsumexp (Eq. 10). x is scratch like s.
     """
     if pu is not None:
         torch.softmax(s, -1, out=pu)
+    c = torch.logsumexp(s, -2, keepdim=True) if pd is not None or ps is not None else None  # (B, H, 1, N)
     if pd is not None:
-        c = column_logsumexp(q, k, None, scale)  # (B, H, N)
-        torch.softmax(torch.sub(s, c[..., None, :], out=x), -1, out=pd)
+        torch.softmax(torch.sub(s, c, out=x), -1, out=pd)
     if ph is not None:
         torch.lerp(pu, pd, u, out=ph)
     if ps is None:
         return
-    if iters == 1:  # = dnas
-        ps.copy_(pd)
-        return
-    beta = _sinkhorn_bias(q, k, scale, iters)  # (B, H, N)
-    torch.softmax(torch.add(s, beta[..., None, :], out=x), -1, out=ps)
+    for _ in range(iters - 1):
+        r = torch.logsumexp(torch.sub(s, c, out=x), -1, keepdim=True)  # (B, H, N, 1) row potentials
+        c = torch.logsumexp(torch.sub(s, r, out=x), -2, keepdim=True)  # column potentials
+    torch.softmax(torch.sub(s, c, out=x), -1, out=ps)
 
 
 def _swap(loaded: LoadedModel, input_ids, attention_mask, variants, u, iters) -> dict[str, torch.Tensor]:
@@ -537,6 +592,8 @@ def batch_weights(
     mode: str = "recompute",
     u: float | torch.Tensor = DEFAULT_U,
     iters: int = DEFAULT_ITERS,
+    *,
+    device=None,
 ) -> dict[str, torch.Tensor]:
     """Weights of every variant for a (padded) batch.
 
@@ -545,12 +602,14 @@ def batch_weights(
         input_ids: (B, N) token ids, padded on the right.
         attention_mask: (B, N) 1 for real tokens, 0 for padding (default: all ones).
         variants, mode, u, iters: as in :func:`analyze`; causal models use iters=1 for sinkhorn.
+        device: where the model runs, as in :func:`analyze` (None: the loaded model's device, the CPU
+            for a directory).
 
     Returns:
-        variant -> (L, B, H, N, N) float32; rows and columns of padded tokens are zero, valid rows
-        sum to 1.
+        variant -> (L, B, H, N, N) float32 on the CPU; rows and columns of padded tokens are zero,
+        valid rows sum to 1.
     """
-    loaded = model if isinstance(model, LoadedModel) else load_model(model)
+    loaded = model_on(model, device)
     variants = check_arguments(variants, mode, u, iters)
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be (B, N), got shape {tuple(input_ids.shape)}")
@@ -562,18 +621,43 @@ def batch_weights(
     if loaded.info.causal:
         iters = 1  # causal Sinkhorn degenerates for iters > 1 (DESIGN.md §2)
     run = _recompute if mode == "recompute" else _swap
+    dev = loaded.device
     with loaded.lock, torch.no_grad():
-        return run(loaded, input_ids, attention_mask, variants, u, iters)
+        weights = run(loaded, input_ids.to(dev), attention_mask.to(dev), variants, u, iters)
+    return {v: w.cpu() for v, w in weights.items()}
 
 
 def window_weights_and_sums(loaded: LoadedModel, input_ids, variants, mode, u, iters, specials):
-    """One window (input_ids (1, N), no padding): (weights {variant: (L, 1, H, N, N)}, row sums for
-    ``attnlab.stats._tidy_from_row_sums`` or None), the sums computed with the weights when the fused
-    path applies (recompute mode, bidirectional model)."""
+    """One window (input_ids (1, N), no padding): (weights {variant: (L, 1, H, N, N)} on the CPU, row
+    sums for ``attnlab.stats._tidy_from_row_sums`` or None). On the CPU the sums come with the weights
+    when the fused path applies (recompute mode, bidirectional model); on a GPU they are always
+    computed there, from the weights, before these are copied to the CPU."""
     if loaded.info.causal:
         iters = 1
+    dev = loaded.device
+    ids = input_ids.to(dev)
+    ones = torch.ones_like(ids)
     with loaded.lock, torch.no_grad():
         if mode != "recompute":
-            return _swap(loaded, input_ids, torch.ones_like(input_ids), variants, u, iters), None
-        ones = torch.ones_like(input_ids)
-        return _recompute_with_sums(loaded, input_ids, ones, variants, u, iters, specials)
+            weights, sums = _swap(loaded, ids, ones, variants, u, iters), None
+        else:
+            weights, sums = _recompute_with_sums(loaded, ids, ones, variants, u, iters, specials)
+        if dev.type == "cpu":
+            return weights, sums
+        sums = _row_sums_of(weights, specials)
+    return {v: w.cpu() for v, w in weights.items()}, sums
+
+
+def _row_sums_of(weights: dict[str, torch.Tensor], specials) -> dict:
+    """Row sums (``attnlab.stats._row_sums`` layout, on the CPU) of one window's weights {variant:
+    (L, 1, H, N, N)}, computed where the weights are; ``js`` to unas when unas is among them."""
+    first = next(iter(weights.values()))
+    L, _, H, N, _ = first.shape
+    spec = torch.stack([m.to(first.device, first.dtype) for m in specials], -1)  # (N, S)
+    dist = stats._distance_matrix(N, N, first)
+    ref = "unas" if "unas" in weights else None
+    raw = {}
+    for v in weights:
+        js = None if ref is None or v == ref else weights[ref]
+        raw[v] = stats._row_sums(weights[v].reshape(L * H, N, N), spec, dist, js)
+    return {v: {key: None if t is None else t.cpu() for key, t in raw[v].items()} for v in weights}
