@@ -93,6 +93,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"refuse files larger than this many megabytes (default: {DEFAULT_MAX_MB:g})",
     )
     add("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    add("--device", default="auto",
+        help="where the model runs: auto (a GPU when there is one, else the CPU), cpu, cuda, cuda:N "
+        "(default: auto)")
     add("--quiet", action="store_true", help="no progress bar or notes on stderr")
 
 
@@ -196,7 +199,11 @@ def _run(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = hf.load_model(args.model)
+    try:
+        device = hf.resolve_device(args.device, "--device")
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    loaded = hf.load_model(args.model, device=device)
     u, u_note = _hnas_u(args, loaded.info)
     stream = hf.stream_analysis(
         text, loaded, variants, args.mode, u, args.iters, window=args.window, overlap=args.overlap
@@ -395,6 +402,7 @@ def _manifest(args, stream, size: int, file_sha256: str, written: list[str], not
             "iters": stream.iters,
             "iters_requested": args.iters,
             "weights": args.weights,
+            "device": str(stream.device),
         },
         "windowing": stream.windowing.as_dict(),
         "files": ["manifest.json", *written],

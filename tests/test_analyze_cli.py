@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import torch
 from conftest import CORPUS
 
 from attnlab import analyze_cli
@@ -44,6 +45,7 @@ def test_writes_readable_statistics_weights_tokens_and_manifest(tmp_path, capsys
     assert manifest["windowing"]["n_windows"] == 1
     assert set(manifest["files"]) == {p.name for p in out.iterdir()}
     assert "attnlab_version" in manifest
+    assert manifest["settings"]["device"] == ("cuda:0" if torch.cuda.is_available() else "cpu")  # auto
 
     table = pd.read_csv(out / "statistics.csv")
     assert {"variant", "layer", "head", "statistic", "value", "window"} <= set(table.columns)
@@ -172,6 +174,9 @@ def _bad_inputs(tmp_path: Path) -> dict[str, tuple[list, str]]:
         "variant": ([ok, "--variants", "unas,softmax"], "--variants"),
         "u": ([ok, "--u", "2"], "--u"),
         "existing out": ([ok, "--out", d / "exists"], "already exists"),
+        "device": ([ok, "--device", "tpu"], "--device must be"),
+        **({} if torch.cuda.is_available() else
+           {"no cuda": ([ok, "--device", "cuda"], "--device='cuda' asks for CUDA")}),
     }
 
 

@@ -104,18 +104,19 @@ def vectors(view_key: str, layer: int, head: int, what: str, _view: WindowView):
     if isinstance(model, NativeModel):
         a, b = _native_vectors(model, ids, layer, head, what)
     else:
+        input_ids = torch.tensor([ids], device=model.device)  # the model may run on a GPU
         with model.lock, torch.no_grad():
             if what == "hidden":
-                out = model.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+                out = model.model(input_ids=input_ids, output_hidden_states=True)
                 a, b = out.hidden_states[layer + 1][0], None  # (N, C): output of block `layer`
             else:
                 with hf.capture_qk(model.model) as captured:
-                    model.model(input_ids=torch.tensor([ids]), use_cache=False)
+                    model.model(input_ids=input_ids, use_cache=False)
                 a, b = captured[layer].query[0, head], captured[layer].key[0, head]  # (N, D) each
     if b is None:
-        x = a.float().numpy()
+        x = a.float().cpu().numpy()
         return x, ["token"] * len(x)
-    q, k = app_views.joint_query_key(a.float().numpy(), b.float().numpy())
+    q, k = app_views.joint_query_key(a.float().cpu().numpy(), b.float().cpu().numpy())
     return np.concatenate([q, k]), ["query"] * len(q) + ["key"] * len(k)
 
 

@@ -161,12 +161,19 @@ def _load_native(path: str) -> NativeModel:
     return NativeModel(model=model, tokenizer=tokenizer, info=info)
 
 
+def app_device() -> str:
+    """Where the app runs Hugging Face models: ``ATTNLAB_DEVICE`` (``auto``, ``cpu``, ``cuda``,
+    ``cuda:N``), default ``auto``: a GPU when torch sees one, else the CPU. Native attnlab
+    checkpoints (small) stay on the CPU."""
+    return os.environ.get("ATTNLAB_DEVICE", "auto")
+
+
 @st.cache_resource(show_spinner="Loading the model…", max_entries=8)
 def _load_cached(kind: str, path: str | None):
     if kind == "native":
         return _load_native(path)
     try:
-        return hf.load_model(path)
+        return hf.load_model(path, device=app_device())
     except ValueError:  # ModelLoadError: already worded for people
         raise
     except Exception as e:  # e.g. safetensors' SafetensorError on a corrupt weights file
