@@ -1,6 +1,6 @@
 """attnlab's CPU kernels (``attnlab/csrc/*.cpp``), compiled for this machine on first use, as one library.
 
-``attnlab/csrc/attnlab_cpu.cpp``: three operators, ``torch.ops.attnlab.*`` (float32 and float64, CPU,
+``attnlab/csrc/attnlab_cpu.cpp``: four operators, ``torch.ops.attnlab.*`` (float32 and float64, CPU,
 forward only), used by ``attnlab.attend`` and the log-sum-exp functions (:func:`cpu_ops`):
 
     col_lse(a, b, row_bias, scale)      c_j = log sum_i exp(scale a_i . b_j + row_bias_i)   (BH, N)
@@ -8,11 +8,14 @@ forward only), used by ``attnlab.attend`` and the log-sum-exp functions (:func:`
         (1 - u) softmax_j(s_ij + key_bias_j) v + u softmax_j(s_ij + key_bias_j + dnas_bias_j) v
     sinkhorn_round(q, k, c, key_bias, row_bias, scale)
         the next column potential of Sinkhorn after a row step with potentials c    (BH, N)
+    sinkhorn_attend(q, k, v, key_bias, row_bias, iters, scale)
+        Sinkhorn attention with each head's scores held once by its thread     (BH, M, Dv)
 
 They are what makes DNAS, HNAS and Sinkhorn cost a small multiple of one SDPA call on CPU: the column
 log-sum-exp is one matrix product per score panel plus a reduction (no value product), HNAS's two
-row passes share one score panel and one exponential per score, and a Sinkhorn round (row step,
-then column step) is one panel pass instead of two (docs/BENCHMARKS.md).
+row passes share one score panel and one exponential per score, and Sinkhorn computes each head's
+scores once and iterates on them (or, over a memory bound, makes a round -- row step, then column
+step -- one panel pass instead of two) (docs/BENCHMARKS.md).
 
 ``attnlab/csrc/analysis_cpu.cpp``: ``torch.ops.attnlab_hf.head``, one head of ``attnlab.hf``'s fused
 analysis (every variant's weights and every row sum the statistics need in one sweep over the rows;

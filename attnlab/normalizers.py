@@ -57,6 +57,9 @@ LSE_FLOOR = -1e30
 KEY_BLOCK = 256
 # Query block of the causal DNAS pass: (B, H, QUERY_BLOCK, N) at a time.
 QUERY_BLOCK = 128
+# Sinkhorn without gradients on CPU holds one head's (M, N) scores per thread while it iterates when
+# that takes at most this many bytes in all (else it streams: one score product per half-step).
+SINKHORN_HEAD_BYTES = 256 * 2**20
 # Training-size problems (M * N up to this, with gradients) take one fused autograd function that
 # keeps the weights for its backward, as PyTorch's own SDPA math backend does for a biased row pass.
 SMALL_SCORES = 128 * 128
@@ -672,6 +675,17 @@ def _sinkhorn_round_kernel(q, k, c, mask, scale):
     B, H, M, _ = q.shape
     N = k.shape[-2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    key_bias, row_bias = _separable_biases(q, k, mask)
+    nxt = ops.sinkhorn_round(_heads_flat(q), _heads_flat(k), c.reshape(B * H, N).contiguous(), key_bias,
+                             row_bias, scale).view(B, H, N)
+    return torch.where(torch.isneginf(nxt), torch.zeros((), dtype=nxt.dtype), nxt)  # empty columns: 0
+
+
+def _separable_biases(q, k, mask):
+    """A query-only or key-only mask as the kernels' additive biases: key_bias (B*H, N) and row_bias
+    (B*H, M), 0 or -inf, each None when the mask does not restrict that side."""
+    B, H, M, _ = q.shape
+    N = k.shape[-2]
     key_bias = row_bias = None
     if mask is not None and mask.shape[-2] == 1:
         key_bias = torch.zeros((), dtype=q.dtype).masked_fill(~mask[..., 0, :], NEG_INF)
@@ -679,14 +693,37 @@ def _sinkhorn_round_kernel(q, k, c, mask, scale):
     if mask is not None and mask.shape[-1] == 1:
         row_bias = torch.zeros((), dtype=q.dtype).masked_fill(~mask[..., 0], NEG_INF)
         row_bias = row_bias.expand(B, H, M).reshape(B * H, M).contiguous()
-    nxt = ops.sinkhorn_round(_heads_flat(q), _heads_flat(k), c.reshape(B * H, N).contiguous(), key_bias,
-                             row_bias, scale).view(B, H, N)
-    return torch.where(torch.isneginf(nxt), torch.zeros((), dtype=nxt.dtype), nxt)  # empty columns: 0
+    return key_bias, row_bias
+
+
+def _sinkhorn_heads_kernel(q, k, v, mask, scale, ctx):
+    """Sinkhorn attention through kernels.sinkhorn_attend: each head's (M, N) scores held once by its
+    thread (threads x M x N at most SINKHORN_HEAD_BYTES), one score product per head instead of one
+    per half-step; None where it does not apply (gradients, causal, not CPU float32/64, a mask that
+    depends on both i and j, too large)."""
+    if ctx.causal or _needs_grad(q, k, v, ctx) or not _flash_lse_available(q) or not _separable(mask):
+        return None
+    if not _kernel_shapes(q, k):
+        return None
+    B, H, M, _ = q.shape
+    N = k.shape[-2]
+    if min(torch.get_num_threads(), B * H) * M * N * q.element_size() > SINKHORN_HEAD_BYTES:
+        return None
+    ops = _cpu_ops()
+    if ops is None:
+        return None
+    key_bias, row_bias = _separable_biases(q, k, mask)
+    out = ops.sinkhorn_attend(_heads_flat(q), _heads_flat(k), _heads_flat(v), key_bias, row_bias, ctx.iters,
+                              scale)
+    return out.view(B, H, M, v.shape[-1])
 
 
 def _fused_sinkhorn(q, k, v, mask, scale, ctx):
     if ctx.causal or ctx.iters == 1:
         return _fused_dnas(q, k, v, mask, scale, ctx)
+    out = _sinkhorn_heads_kernel(q, k, v, mask, scale, ctx)
+    if out is not None:
+        return out
     return _sdpa(q, k, v, mask, scale, key_bias=-sinkhorn_potentials(q, k, mask, scale, ctx.iters))
 
 

@@ -120,9 +120,14 @@ def _masks(B, H, M, N, gen):
 
 
 @needs_kernels
-@pytest.mark.parametrize("variant", ["dnas", "hnas", "sinkhorn"])
+@pytest.mark.parametrize("variant", ["dnas", "hnas", "sinkhorn", "sinkhorn-streamed"])
 @pytest.mark.parametrize("mask_kind", ["none", "keys", "queries", "arbitrary"])
 def test_attend_kernel_equals_pytorch_path(monkeypatch, variant, mask_kind):
+    """sinkhorn: whole heads held (sinkhorn_attend); sinkhorn-streamed: over the memory bound, one
+    sinkhorn_round pass per round."""
+    if variant == "sinkhorn-streamed":
+        monkeypatch.setattr(nz, "SINKHORN_HEAD_BYTES", 0)
+        variant = "sinkhorn"
     B, H, M, N = 2, 3, 150, 190
     q, k, v = _qkv(7, B, H, M, N, 16, 8)
     mask = _masks(B, H, M, N, torch.Generator().manual_seed(3))[mask_kind]
@@ -225,3 +230,27 @@ def test_empty_queries_or_keys(M, N):
     for variant in attnlab.VARIANTS:
         out = attnlab.attend(q, k, v, variant, iters=3)
         assert out.shape == (1, 2, M, 3) and torch.all(out == 0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("iters", [2, 3, 7])
+def test_sinkhorn_attend_equals_explicit_loop(dtype, iters):
+    """Whole-head Sinkhorn (Eq. 10) against the materialized PyTorch normalizer, with invalid keys,
+    invalid queries (zero rows) and a (batch, head) whose keys are all masked (zero output)."""
+    BH, M, N = 4, 37, 53
+    gen = torch.Generator().manual_seed(iters)
+    q = torch.randn(BH, M, 8, generator=gen, dtype=dtype)
+    k = torch.randn(BH, N, 8, generator=gen, dtype=dtype)
+    v = torch.randn(BH, N, 5, generator=gen, dtype=dtype)
+    key_ok = torch.rand(BH, N, generator=gen) > 0.25
+    key_ok[3] = False
+    row_ok = torch.rand(BH, M, generator=gen) > 0.2
+    key_bias = torch.zeros(BH, N, dtype=dtype).masked_fill(~key_ok, -math.inf)
+    row_bias = torch.zeros(BH, M, dtype=dtype).masked_fill(~row_ok, -math.inf)
+    got = ops.sinkhorn_attend(q, k, v, key_bias, row_bias, iters, 0.35)
+    mask = (row_ok[:, :, None] & key_ok[:, None, :])[None]  # (1, BH, M, N)
+    w = attnlab.attention_weights((q @ k.transpose(1, 2) * 0.35)[None], "sinkhorn", mask=mask, iters=iters)
+    tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=1e-11, rtol=1e-11)
+    torch.testing.assert_close(got, (w @ v[None])[0], **tol)
+    assert torch.all(got[3] == 0) and torch.all(got[~row_ok] == 0)

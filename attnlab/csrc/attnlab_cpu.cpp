@@ -13,6 +13,8 @@
 //       keys are all masked give 0.
 //   sinkhorn_round(q, k, c, key_bias, row_bias, scale): the next column potential c' (BH, N) of
 //       Sinkhorn (Eq. 10) after a row step with column potentials c (see sinkhorn_round_impl).
+//   sinkhorn_attend(q, k, v, key_bias, row_bias, iters, scale): Sinkhorn attention output (BH, M, Dv)
+//       with each head's scores held once (see sinkhorn_heads_impl).
 //
 // Vectorized<T> (ATen/cpu/vec) at the width this machine was compiled for (-march=native).
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
@@ -312,6 +314,93 @@ void sinkhorn_round_impl(const T* q, const T* k, const T* c, const T* kb, const 
   });
 }
 
+// Sinkhorn attention (Eq. 10) of whole heads: one head per task, its scores s = scale q k^T + biases
+// (M x N) held in a thread buffer -- one score product per head instead of one per pass -- then, in
+// potentials: c_j = logsumexp_i s_ij; iters - 1 rounds as in sinkhorn_round_impl (row step
+// x_ij = exp(s_ij - c_j - m_i), l_i = sum_j x_ij; column step c'_j = c_j + log sum_i x_ij / l_i);
+// finally the rows softmax_j(s_ij - c_j) in place and out = W v. Invalid keys (key_bias -inf) and
+// queries (row_bias -inf) take no part; a query row with no valid key gives 0. The caller bounds
+// threads * M * N (attnlab/normalizers.py, SINKHORN_HEAD_BYTES).
+template <typename T>
+void sinkhorn_heads_impl(const T* q, const T* k, const T* v, const T* kb, const T* rb, T* out, int64_t BH,
+                         int64_t M, int64_t N, int64_t D, int64_t Dv, int64_t sq_bh, int64_t sq_m,
+                         int64_t sk_bh, int64_t sk_n, int64_t sv_bh, int64_t sv_n, int64_t iters, T scale) {
+  const T ninf = -std::numeric_limits<T>::infinity();
+  at::parallel_for(0, BH, 1, [&](int64_t begin, int64_t end) {
+    SerialBlas serial;
+    std::vector<T> s(M * N), c(N), cmax(N), acc(N);
+    std::vector<char> row_ok(M);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const T* kbp = kb ? kb + bh * N : nullptr;
+      const T* rbp = rb ? rb + bh * M : nullptr;
+      gemm_abt(M, N, D, scale, q + bh * sq_bh, sq_m, k + bh * sk_bh, sk_n, T(0), s.data(), N);
+      // column step 1: c_j = logsumexp over valid i of s_ij (running max over rows, then sums)
+      std::fill(cmax.begin(), cmax.end(), ninf);
+      for (int64_t i = 0; i < M; ++i) {
+        T* sr = s.data() + i * N;
+        row_ok[i] = !(rbp && rbp[i] == ninf);
+        if (kbp) for (int64_t j = 0; j < N; ++j) sr[j] += kbp[j];
+        if (!row_ok[i]) continue;
+        T* cm = cmax.data();
+        for (int64_t j = 0; j < N; ++j) cm[j] = sr[j] > cm[j] ? sr[j] : cm[j];
+      }
+      for (int64_t j = 0; j < N; ++j) cmax[j] = cmax[j] == ninf ? T(0) : cmax[j];
+      std::fill(acc.begin(), acc.end(), T(0));
+      for (int64_t i = 0; i < M; ++i) {
+        if (!row_ok[i]) continue;
+        const T* sr = s.data() + i * N;
+        T* a = acc.data();
+        const T* cm = cmax.data();
+        for (int64_t j = 0; j < N; ++j) a[j] += exp_nonpos(sr[j] - cm[j]);
+      }
+      for (int64_t j = 0; j < N; ++j) c[j] = acc[j] > T(0) ? cmax[j] + std::log(acc[j]) : T(0);
+      // rounds: row step, then column step, on the held scores
+      for (int64_t round = 1; round < iters; ++round) {
+        std::fill(acc.begin(), acc.end(), T(0));
+        for (int64_t i = 0; i < M; ++i) {
+          if (!row_ok[i]) continue;
+          const T* sr = s.data() + i * N;
+          T* x = cmax.data();  // scratch row
+          const T* cp = c.data();
+          for (int64_t j = 0; j < N; ++j) x[j] = sr[j] - cp[j];
+          const T m = row_max(x, N);
+          if (m == ninf) continue;
+          T l = 0;
+          for (int64_t j = 0; j < N; ++j) {
+            const T e = exp_nonpos(x[j] - m);
+            x[j] = e;
+            l += e;
+          }
+          const T inv = T(1) / l;
+          T* a = acc.data();
+          for (int64_t j = 0; j < N; ++j) a[j] += x[j] * inv;
+        }
+        for (int64_t j = 0; j < N; ++j) c[j] = acc[j] > T(0) ? c[j] + std::log(acc[j]) : T(0);
+      }
+      // the last row step: softmax_j(s_ij - c_j), in place; rows with no valid key: 0
+      for (int64_t i = 0; i < M; ++i) {
+        T* sr = s.data() + i * N;
+        const T* cp = c.data();
+        for (int64_t j = 0; j < N; ++j) sr[j] -= cp[j];
+        const T m = row_max(sr, N);
+        if (!row_ok[i] || m == ninf) {
+          std::fill(sr, sr + N, T(0));
+          continue;
+        }
+        T l = 0;
+        for (int64_t j = 0; j < N; ++j) {
+          const T e = exp_nonpos(sr[j] - m);
+          sr[j] = e;
+          l += e;
+        }
+        const T inv = T(1) / l;
+        for (int64_t j = 0; j < N; ++j) sr[j] *= inv;
+      }
+      gemm_ab(M, Dv, N, s.data(), N, v + bh * sv_bh, sv_n, out + bh * M * Dv, Dv);
+    }
+  });
+}
+
 void check_3d(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1, name, " must be (BH, L, D) with a contiguous last dim");
 }
@@ -372,11 +461,34 @@ at::Tensor sinkhorn_round(const at::Tensor& q, const at::Tensor& k, const at::Te
   return out;
 }
 
+at::Tensor sinkhorn_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const c10::optional<at::Tensor>& key_bias, const c10::optional<at::Tensor>& row_bias,
+                           int64_t iters, double scale) {
+  check_3d(q, "q");
+  check_3d(k, "k");
+  check_3d(v, "v");
+  TORCH_CHECK(iters >= 1, "iters must be >= 1");
+  const int64_t BH = q.size(0), M = q.size(1), N = k.size(1), D = q.size(2), Dv = v.size(2);
+  auto out = at::empty({BH, M, Dv}, q.options());
+  at::Tensor kb, rb;
+  if (key_bias.has_value()) kb = key_bias->contiguous().to(q.scalar_type());
+  if (row_bias.has_value()) rb = row_bias->contiguous().to(q.scalar_type());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "sinkhorn_attend", [&] {
+    sinkhorn_heads_impl<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
+                                  kb.defined() ? kb.data_ptr<scalar_t>() : nullptr,
+                                  rb.defined() ? rb.data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>(), BH,
+                                  M, N, D, Dv, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+                                  v.stride(1), iters, (scalar_t)scale);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(attnlab, m) {
   m.def("col_lse(Tensor a, Tensor b, Tensor? row_bias, float scale) -> Tensor");
   m.def("sinkhorn_round(Tensor q, Tensor k, Tensor c, Tensor? key_bias, Tensor? row_bias, float scale) -> Tensor");
+  m.def("sinkhorn_attend(Tensor q, Tensor k, Tensor v, Tensor? key_bias, Tensor? row_bias, int iters, float scale) -> Tensor");
   m.def("mix_attend(Tensor q, Tensor k, Tensor v, Tensor? key_bias, Tensor dnas_bias, Tensor u, float scale) -> Tensor");
 }
 
@@ -384,4 +496,5 @@ TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
   m.impl("col_lse", &col_lse);
   m.impl("mix_attend", &mix_attend);
   m.impl("sinkhorn_round", &sinkhorn_round);
+  m.impl("sinkhorn_attend", &sinkhorn_attend);
 }
