@@ -69,7 +69,8 @@ def _cpu_fingerprint() -> str:
 
 
 def _build_dir() -> Path:
-    key = [*(src.read_bytes() for src in SOURCES), " ".join(CFLAGS + LDFLAGS).encode(),
+    headers = sorted(SOURCES[0].parent.glob("*.h"))
+    key = [*(src.read_bytes() for src in [*SOURCES, *headers]), " ".join(CFLAGS + LDFLAGS).encode(),
            torch.__version__.encode(), _cpu_fingerprint().encode()]
     digest = hashlib.sha256(b"\0".join(key))
     root = Path(os.environ.get("ATTNLAB_CACHE") or Path.home() / ".cache" / "attnlab")

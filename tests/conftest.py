@@ -198,3 +198,13 @@ def _write_doc(rows) -> None:
     DOC.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
+@pytest.fixture
+def ieee_float32_matmul():
+    """Full float32 matmuls on a CUDA device (TF32 would differ from the CPU by ~1e-3); used by the
+    CUDA test modules."""
+    import torch
+
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision(old)

@@ -45,12 +45,8 @@ MASKS = (None, "keys", "queries", "padding", "arbitrary")
 
 
 @pytest.fixture(autouse=True)
-def _ieee_float32_matmul():
-    """Full float32 matmuls on the device (TF32 would differ from the CPU by ~1e-3)."""
-    old = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    yield
-    torch.set_float32_matmul_precision(old)
+def _ieee_float32_matmul(ieee_float32_matmul):
+    """Full float32 matmuls on the device for every test here (conftest.ieee_float32_matmul)."""
 
 
 # ----------------------------------------------------------------------------------------------

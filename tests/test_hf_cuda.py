@@ -66,7 +66,8 @@ def build_model(arch: str, directory, seed: int = 0):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    """Factory: arch -> directory of its tiny model (built once per module)."""
+    """Factory: arch -> directory of its tiny model (built once per module). Not conftest's
+    tiny_model_dir: its BERT tokenizers take MiniLM's vocabulary, which GPU machines may not have."""
     built = {}
 
     def make(arch: str):
@@ -78,12 +79,8 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def _ieee_float32_matmul():
-    """Full float32 matmuls on the device (TF32 would differ from the CPU by ~1e-3)."""
-    old = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    yield
-    torch.set_float32_matmul_precision(old)
+def _ieee_float32_matmul(ieee_float32_matmul):
+    """Full float32 matmuls on the device for every test here (conftest.ieee_float32_matmul)."""
 
 
 # ----------------------------------------------------------------------------------------------

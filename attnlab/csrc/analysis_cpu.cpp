@@ -26,19 +26,7 @@
 //                        d = (p - q)/(p + q), twice the Jensen-Shannon divergence in nats without
 //                        the cancellation of H(m) - (H(p) + H(q))/2 (when js_<variant>)
 // float32, contiguous. Single-threaded: the caller runs one head per thread.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
-#define CPU_CAPABILITY AVX512
-#define CPU_CAPABILITY_AVX512
-#elif defined(__AVX2__) && defined(__FMA__)
-#define CPU_CAPABILITY AVX2
-#define CPU_CAPABILITY_AVX2
-#else
-#define CPU_CAPABILITY DEFAULT
-#endif
-#include <ATen/ATen.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
-#include <torch/library.h>
+#include "vec_capability.h"
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>

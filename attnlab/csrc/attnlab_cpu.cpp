@@ -16,21 +16,7 @@
 //   sinkhorn_attend(q, k, v, key_bias, row_bias, iters, scale): Sinkhorn attention output (BH, M, Dv)
 //       with each head's scores held once (see sinkhorn_heads_impl).
 //
-// Vectorized<T> (ATen/cpu/vec) at the width this machine was compiled for (-march=native).
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
-#define CPU_CAPABILITY AVX512
-#define CPU_CAPABILITY_AVX512
-#elif defined(__AVX2__) && defined(__FMA__)
-#define CPU_CAPABILITY AVX2
-#define CPU_CAPABILITY_AVX2
-#else
-#define CPU_CAPABILITY DEFAULT
-#endif
-#include <ATen/ATen.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
+#include "vec_capability.h"
 
 #include <algorithm>
 #include <cmath>
@@ -121,6 +107,30 @@ template <typename T>
 inline T row_max(const T* x, int64_t n) {
   using Vec = at::vec::Vectorized<T>;
   return at::vec::reduce_all<T>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, x, n);
+}
+
+// x_j <- exp(x_j - max_k x_k) in place; returns 1 / sum_j of them, or 0 for a row with no finite
+// entry (every key masked), left as it was.
+template <typename T>
+inline T exp_row(T* x, int64_t n) {
+  const T m = row_max(x, n);
+  if (m == -std::numeric_limits<T>::infinity()) return T(0);
+  T l = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const T e = exp_nonpos(x[j] - m);
+    x[j] = e;
+    l += e;
+  }
+  return T(1) / l;
+}
+
+// One Sinkhorn row step on a row x_j = s_ij - c_j (overwritten): acc_j += x_ij / l_i with
+// x_ij = exp(s_ij - c_j - m_i), l_i = sum_j x_ij (see sinkhorn_round_impl).
+template <typename T>
+inline void add_row_step(T* x, int64_t n, T* acc) {
+  const T inv = exp_row(x, n);
+  if (inv == T(0)) return;
+  for (int64_t j = 0; j < n; ++j) acc[j] += x[j] * inv;
 }
 
 template <typename T>
@@ -292,16 +302,7 @@ void sinkhorn_round_impl(const T* q, const T* k, const T* c, const T* kb, const 
         } else {
           for (int64_t j = 0; j < N; ++j) sr[j] -= cp[j];
         }
-        const T m = row_max(sr, N);
-        if (m == ninf) continue;
-        T l = 0;
-        for (int64_t j = 0; j < N; ++j) {
-          const T x = exp_nonpos(sr[j] - m);
-          sr[j] = x;
-          l += x;
-        }
-        const T inv = T(1) / l;
-        for (int64_t j = 0; j < N; ++j) acc[j] += sr[j] * inv;
+        add_row_step(sr, N, acc);
       }
     }
   });
@@ -360,20 +361,10 @@ void sinkhorn_heads_impl(const T* q, const T* k, const T* v, const T* kb, const 
         for (int64_t i = 0; i < M; ++i) {
           if (!row_ok[i]) continue;
           const T* sr = s.data() + i * N;
-          T* x = cmax.data();  // scratch row
+          T* x = cmax.data();  // scratch row: the held scores stay as they are
           const T* cp = c.data();
           for (int64_t j = 0; j < N; ++j) x[j] = sr[j] - cp[j];
-          const T m = row_max(x, N);
-          if (m == ninf) continue;
-          T l = 0;
-          for (int64_t j = 0; j < N; ++j) {
-            const T e = exp_nonpos(x[j] - m);
-            x[j] = e;
-            l += e;
-          }
-          const T inv = T(1) / l;
-          T* a = acc.data();
-          for (int64_t j = 0; j < N; ++j) a[j] += x[j] * inv;
+          add_row_step(x, N, acc.data());
         }
         for (int64_t j = 0; j < N; ++j) c[j] = acc[j] > T(0) ? c[j] + std::log(acc[j]) : T(0);
       }
@@ -382,18 +373,11 @@ void sinkhorn_heads_impl(const T* q, const T* k, const T* v, const T* kb, const 
         T* sr = s.data() + i * N;
         const T* cp = c.data();
         for (int64_t j = 0; j < N; ++j) sr[j] -= cp[j];
-        const T m = row_max(sr, N);
-        if (!row_ok[i] || m == ninf) {
+        const T inv = row_ok[i] ? exp_row(sr, N) : T(0);
+        if (inv == T(0)) {
           std::fill(sr, sr + N, T(0));
           continue;
         }
-        T l = 0;
-        for (int64_t j = 0; j < N; ++j) {
-          const T e = exp_nonpos(sr[j] - m);
-          sr[j] = e;
-          l += e;
-        }
-        const T inv = T(1) / l;
         for (int64_t j = 0; j < N; ++j) sr[j] *= inv;
       }
       gemm_ab(M, Dv, N, s.data(), N, v + bh * sv_bh, sv_n, out + bh * M * Dv, Dv);
