@@ -613,10 +613,7 @@ def _mixed_kernel(q, k, v, mask, scale, ctx):
     B, H, M, _ = q.shape
     N = k.shape[-2]
     c = column_logsumexp(q, k, mask, scale)  # (B, H, N)
-    key_bias = None
-    if mask is not None and mask.shape[-2] == 1 and mask.shape[-1] != 1:
-        key_bias = torch.zeros((), dtype=q.dtype).masked_fill(~mask[..., 0, :], NEG_INF)
-        key_bias = key_bias.expand(B, H, N).reshape(B * H, N).contiguous()
+    key_bias, _ = _separable_biases(q, k, mask)  # invalid queries: their rows are zeroed below
     out = ops.mix_attend(_heads_flat(q), _heads_flat(k), _heads_flat(v), key_bias,
                          (-c).reshape(B * H, N).contiguous(), weights, scale)
     out = out.view(B, H, M, v.shape[-1])
