@@ -416,12 +416,11 @@ class _QueryLogSumExp(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, bias, mask, scale):
+        # CUDA: memory-efficient SDPA's LSE; CPU: attnlab's kernel or the flash kernel; else key blocks
         c = _lse_cuda(q, k, bias, mask, scale) if q.device.type == "cuda" else None
-        if c is not None:
-            pass
-        elif _flash_lse_available(q):
+        if c is None and _flash_lse_available(q):
             c = _lse_fused(q, k, bias, mask, scale)
-        else:
+        if c is None:
             blocks = _score_blocks(q, k, bias, mask, scale)
             c = torch.cat([_safe_logsumexp(s, -2).squeeze(-2) for _, _, s in blocks], dim=-1)
         if mask is not None:  # empty columns: 0 (finite); they are masked wherever they appear
