@@ -385,6 +385,16 @@ void sinkhorn_heads_impl(const T* q, const T* k, const T* v, const T* kb, const 
   });
 }
 
+// An optional operand as a contiguous tensor of the kernel's dtype (undefined when absent), and its
+// data pointer (nullptr when absent).
+at::Tensor operand(const c10::optional<at::Tensor>& t, at::ScalarType dtype) {
+  return t.has_value() ? t->contiguous().to(dtype) : at::Tensor();
+}
+template <typename T>
+T* data_or_null(const at::Tensor& t) {
+  return t.defined() ? t.data_ptr<T>() : nullptr;
+}
+
 void check_3d(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1, name, " must be (BH, L, D) with a contiguous last dim");
 }
@@ -396,11 +406,10 @@ at::Tensor col_lse(const at::Tensor& a, const at::Tensor& b, const c10::optional
   TORCH_CHECK(a.scalar_type() == b.scalar_type(), "a and b must have one dtype");
   const int64_t BH = a.size(0), M = a.size(1), N = b.size(1), D = a.size(2);
   auto out = at::empty({BH, N}, a.options());
-  at::Tensor rb;
-  if (row_bias.has_value()) rb = row_bias->contiguous().to(a.scalar_type());
+  const at::Tensor rb = operand(row_bias, a.scalar_type());
   AT_DISPATCH_FLOATING_TYPES(a.scalar_type(), "col_lse", [&] {
     col_lse_impl<scalar_t>(a.data_ptr<scalar_t>(), b.data_ptr<scalar_t>(),
-                           rb.defined() ? rb.data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>(), BH,
+                           data_or_null<scalar_t>(rb), out.data_ptr<scalar_t>(), BH,
                            M, N, D, a.stride(0), a.stride(1), b.stride(0), b.stride(1), (scalar_t)scale);
   });
   return out;
@@ -414,11 +423,11 @@ at::Tensor mix_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   check_3d(v, "v");
   const int64_t BH = q.size(0), M = q.size(1), N = k.size(1), D = q.size(2), Dv = v.size(2);
   auto out = at::empty({BH, M, Dv}, q.options());
-  at::Tensor kb, db = dnas_bias.contiguous().to(q.scalar_type()), uu = u.contiguous().to(q.scalar_type());
-  if (key_bias.has_value()) kb = key_bias->contiguous().to(q.scalar_type());
+  const at::Tensor kb = operand(key_bias, q.scalar_type()), db = operand(dnas_bias, q.scalar_type()),
+                   uu = operand(u, q.scalar_type());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mix_attend", [&] {
     mix_attend_impl<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
-                              kb.defined() ? kb.data_ptr<scalar_t>() : nullptr, db.data_ptr<scalar_t>(),
+                              data_or_null<scalar_t>(kb), db.data_ptr<scalar_t>(),
                               uu.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), BH, M, N, D, Dv,
                               q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                               (scalar_t)scale);
@@ -433,13 +442,12 @@ at::Tensor sinkhorn_round(const at::Tensor& q, const at::Tensor& k, const at::Te
   check_3d(k, "k");
   const int64_t BH = q.size(0), M = q.size(1), N = k.size(1), D = q.size(2);
   auto out = at::empty({BH, N}, q.options());
-  at::Tensor cc = c.contiguous().to(q.scalar_type()), kb, rb;
-  if (key_bias.has_value()) kb = key_bias->contiguous().to(q.scalar_type());
-  if (row_bias.has_value()) rb = row_bias->contiguous().to(q.scalar_type());
+  const at::Tensor cc = operand(c, q.scalar_type()), kb = operand(key_bias, q.scalar_type()),
+                   rb = operand(row_bias, q.scalar_type());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "sinkhorn_round", [&] {
     sinkhorn_round_impl<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), cc.data_ptr<scalar_t>(),
-                                  kb.defined() ? kb.data_ptr<scalar_t>() : nullptr,
-                                  rb.defined() ? rb.data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>(), BH,
+                                  data_or_null<scalar_t>(kb),
+                                  data_or_null<scalar_t>(rb), out.data_ptr<scalar_t>(), BH,
                                   M, N, D, q.stride(0), q.stride(1), k.stride(0), k.stride(1), (scalar_t)scale);
   });
   return out;
@@ -454,13 +462,11 @@ at::Tensor sinkhorn_attend(const at::Tensor& q, const at::Tensor& k, const at::T
   TORCH_CHECK(iters >= 1, "iters must be >= 1");
   const int64_t BH = q.size(0), M = q.size(1), N = k.size(1), D = q.size(2), Dv = v.size(2);
   auto out = at::empty({BH, M, Dv}, q.options());
-  at::Tensor kb, rb;
-  if (key_bias.has_value()) kb = key_bias->contiguous().to(q.scalar_type());
-  if (row_bias.has_value()) rb = row_bias->contiguous().to(q.scalar_type());
+  const at::Tensor kb = operand(key_bias, q.scalar_type()), rb = operand(row_bias, q.scalar_type());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "sinkhorn_attend", [&] {
     sinkhorn_heads_impl<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
-                                  kb.defined() ? kb.data_ptr<scalar_t>() : nullptr,
-                                  rb.defined() ? rb.data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>(), BH,
+                                  data_or_null<scalar_t>(kb),
+                                  data_or_null<scalar_t>(rb), out.data_ptr<scalar_t>(), BH,
                                   M, N, D, Dv, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
                                   v.stride(1), iters, (scalar_t)scale);
   });
