@@ -31,7 +31,7 @@ from safetensors.torch import save as st_save
 
 from attnlab.data import IGNORE_INDEX
 from attnlab.modules import AttentionConfig, GAMAttention, GAMConfig, MultiHeadAttention
-from attnlab.normalizers import REGISTRY
+from attnlab.normalizers import VARIANTS
 
 __all__ = [
     "ModelConfig",
@@ -99,7 +99,7 @@ class ModelConfig:
                 check(name, len(value) == self.n_layers, f"one value or a list of n_layers={self.n_layers}")
                 setattr(self, name, list(value))
         for v in self.layer_variants():
-            check("variant", v in REGISTRY, f"one of {tuple(REGISTRY)} (or a list of them)")
+            check("variant", v in VARIANTS, f"one of {tuple(VARIANTS)} (or a list of them)")
             if self.kind == "decoder" and v == "sinkhorn" and self.iters != 1:
                 raise ValueError(
                     f"ModelConfig.iters must be 1 for a causal 'sinkhorn' layer (got {self.iters}): "
@@ -271,8 +271,8 @@ class MultiViewModel(nn.Module):
     def __init__(self, d_feature: int, n_views: int, n_classes: int, variant: str = "unas",
                  d_model: int = 64, u: float = 0.5):
         super().__init__()
-        if variant not in REGISTRY:
-            raise ValueError(f"variant must be one of {tuple(REGISTRY)}, got {variant!r}")
+        if variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {tuple(VARIANTS)}, got {variant!r}")
         self.variant = variant
         self.q = nn.Linear(d_feature, d_model)
         self.k = nn.Linear(d_feature, d_model)
