@@ -14,10 +14,10 @@ from conftest import CAUSAL_ARCHS, CORPUS, TINY_ARCHS, TINY_POSITIONS, build_tin
 from transformers import AttentionInterface, AttentionMaskInterface
 
 from attnlab import DEFAULT_VARIANTS, VARIANTS, attention_weights, hf, variant_specs
+from attnlab.hf.weights import _POOL, _variants_unmasked
 
 # the variants attnlab.hf's fused analysis computes (the others take the generic materialized path)
 KERNEL = tuple(s.name for s in variant_specs() if s.hf_kernel)
-from attnlab.hf.weights import _POOL, _variants_unmasked
 
 TEXTS = ("The quick brown fox jumps over the lazy dog.", "Attention that does not explain away.")
 
@@ -607,7 +607,7 @@ def test_variants_without_a_fused_analysis_take_the_generic_path(minilm, english
     assert (result.weights["sparsemax"] == 0).any()  # exact zeros: explained away completely
     torch.testing.assert_close(result.weights["sparsemax"].sum(-1), torch.ones(6, 12, n), atol=1e-5, rtol=0)
     rows = result.weights["softmax1"].sum(-1)
-    assert bool((rows <= 1).all()) and bool((rows < 1 - 1e-3).any())  # the null key takes the rest
+    assert bool((rows <= 1 + 1e-5).all()) and bool((rows < 1 - 1e-3).any())  # the null key takes the rest
     table = result.table()
     assert set(table.variant) == set(VARIANTS)
     assert not table.value.isna().any()

@@ -173,7 +173,8 @@ def test_column_logsumexp_kernel_gradcheck(mask_kind):
     k = torch.randn(1, 2, 7, 3, generator=gen, dtype=torch.float64, requires_grad=True)
     b = torch.randn(1, 2, 9, generator=gen, dtype=torch.float64, requires_grad=True)
     mask = _masks(1, 2, 9, 7, gen)[mask_kind]
-    assert nz.kernel_paths.lse_kernel(q.detach(), k.detach(), None, mask, 0.5) is not None  # the kernel path runs
+    # the kernel path runs
+    assert nz.kernel_paths.lse_kernel(q.detach(), k.detach(), None, mask, 0.5) is not None
     assert torch.autograd.gradcheck(lambda q, k, b: attnlab.column_logsumexp(q, k, mask, 0.5, b), (q, k, b))
 
 

@@ -51,7 +51,8 @@ register_variant(
 )
 register_variant(
     "sinkhorn", fn.sinkhorn, label="Sinkhorn", builtin=True, default=True, fused=fused_sinkhorn,
-    hf_kernel=lambda p: p["tol"] == 0,  # the analysis kernel runs every round summary="iterated DNAS toward doubly stochastic (iters=1 is DNAS)",
+    hf_kernel=lambda p: p["tol"] == 0,  # the analysis kernel runs every round (no tolerance)
+    summary="iterated DNAS toward doubly stochastic (iters=1 is DNAS)",
     reference='"Attention that does not Explain Away", Eq. 10',
     params=(ITERS, TOL), column_floor=lambda p: 1.0, causal_rule=_sinkhorn_causal,
 )
