@@ -19,6 +19,7 @@ import time
 
 import torch
 
+
 def attention_cases() -> list[tuple[str, str | None, dict]]:
     """(label, variant, attend keyword arguments) measured by the attention benchmark, from the
     registry: SDPA (the baseline), every variant with a fused attend path at its defaults (Sinkhorn at
