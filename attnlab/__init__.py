@@ -1,6 +1,6 @@
 """attnlab: attention-analysis lab for UNAS, DNAS, HNAS, Sinkhorn and GAM attention.
 
-Public surface (DESIGN.md §6)::
+Public surface (docs/DESIGN.md §6)::
 
     attnlab.VARIANTS                      # every registered variant ("unas", "dnas", "hnas", ...)
     attnlab.variant_specs()               # their declarations: parameters, guarantees, fast paths

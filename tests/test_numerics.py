@@ -150,3 +150,18 @@ def test_long_sinkhorn_stops_on_ctrl_c():
             attnlab.attend(q, k, v, "sinkhorn", iters=10_000)
     finally:
         timer.cancel()
+
+
+@pytest.mark.parametrize("variant", ["dnas", "hnas", "sinkhorn"])
+def test_fused_float32_error_is_bounded_by_the_scores_rounding(variant):
+    """The fused path computes the scores twice (c_j's pass and the row pass, different summation
+    orders): float32 rounding of s (about 2^-23 |s|) is its error bound, at every scale
+    (docs/DESIGN.md §4): |fused - float64| <= 1e-6 * max|s_ij| * max|v| + 1e-6."""
+    q, k, v = _qkv(9, B=1, H=2, M=64, N=64, D=16)
+    for scale in (1.0, 10.0, 100.0, 1e3, 1e4):
+        s64 = (q.double() @ k.double().transpose(-1, -2)) * scale
+        ref = attnlab.attention_weights(s64, variant) @ v.double()
+        with torch.no_grad():
+            got = attnlab.attend(q, k, v, variant, scale=scale).double()
+        bound = 1e-6 * float(s64.abs().max()) * float(v.abs().max()) + 1e-6
+        assert float((got - ref).abs().max()) <= bound, (variant, scale)

@@ -1,6 +1,6 @@
 """Analysing a text with every attention variant on a real model: results, windows, streaming.
 
-Data flow (DESIGN.md §5): text -> tokens -> windows -> model forward (capturing q, k per layer) ->
+Data flow (docs/DESIGN.md §5): text -> tokens -> windows -> model forward (capturing q, k per layer) ->
 weights per variant (:mod:`attnlab.hf.weights`, recompute or swap mode) -> statistics
 (``attnlab.stats``).
 
@@ -80,7 +80,7 @@ class WindowResult:
         """Tidy statistics of this window (``attnlab.stats.tidy_table``) with a ``window`` column.
 
         ``special_mass`` counts special tokens and, with ``include_punctuation``, punctuation tokens
-        (DESIGN.md §4). Other keyword arguments (eps, eps_relative, reference) go to ``tidy_table``.
+        (docs/DESIGN.md §4). Other keyword arguments (eps, eps_relative, reference) go to ``tidy_table``.
         """
         from attnlab import stats
 
