@@ -611,3 +611,35 @@ def test_variants_without_a_fused_analysis_take_the_generic_path(minilm, english
     table = result.table()
     assert set(table.variant) == set(VARIANTS)
     assert not table.value.isna().any()
+
+
+@pytest.mark.parametrize("mode", hf.MODES)
+def test_one_parameter_check_in_both_modes(minilm, mode):
+    """recompute and swap refuse the same u (range, NaN, shape) and iters, with the same words."""
+    text = "A short text."
+    cases = [({"u": 1.5}, "u must be a number in [0, 1], got 1.5"),
+             ({"u": float("nan")}, "u must be a number in [0, 1], got NaN"),
+             ({"u": torch.full((6, 12), -0.5)}, "u must be a number in [0, 1], got values in [-0.5, -0.5]"),
+             ({"u": torch.full((6, 5), 0.5)}, "u must be a number or a tensor broadcastable to (L, H) (6, 12)"),
+             ({"u": torch.full((2, 6, 12), 0.5)}, "u must be a number or a tensor broadcastable to (L, H)"),
+             ({"iters": 0}, "iters must be an integer in [1, 10000], got 0"),
+             ({"beta": 1}, "beta is not a parameter of any variant")]
+    for params, message in cases:
+        with pytest.raises(ValueError) as err:
+            hf.analyze(text, minilm, mode=mode, **params)
+        assert message in str(err.value), (params, str(err.value))
+    import numpy as np
+
+    a = hf.analyze(text, minilm, variants=("hnas",), mode=mode, u=np.float32(0.25))
+    b = hf.analyze(text, minilm, variants=("hnas",), mode=mode, u=0.25)
+    torch.testing.assert_close(a.weights["hnas"], b.weights["hnas"])
+
+
+def test_batch_weights_refuses_empty_and_out_of_vocabulary_ids(minilm):
+    for ids, message in [(torch.zeros(1, 0, dtype=torch.long), "input_ids must hold at least one token"),
+                         (torch.tensor([[101, 10**6]]), "input_ids must be token ids in [0, 30521]"),
+                         (torch.tensor([[-1, 101]]), "input_ids must be token ids in [0, 30521]"),
+                         (torch.tensor([[1.0, 2.0]]), "input_ids must be an integer tensor")]:
+        with pytest.raises(ValueError) as err:
+            hf.batch_weights(minilm, ids)
+        assert message in str(err.value)
