@@ -149,3 +149,17 @@ def test_toy_variant_through_the_cli_via_an_installed_entry_point(tmp_path):
     help_text = subprocess.run([sys.executable, "-m", "attnlab.cli", "analyze", "--help"], env=env,
                                capture_output=True, text=True, timeout=120).stdout
     assert "--t T" in help_text and "temperature" in help_text
+
+
+def test_docs_table_lists_every_builtin_with_its_parameters():
+    """docs/VARIANTS.md's table is written from the specs: one row per built-in variant, naming each
+    parameter with its default and range (this test keeps the two in step)."""
+    rows = [line for line in (ROOT / "docs" / "VARIANTS.md").read_text(encoding="utf-8").splitlines()
+            if line.startswith("| `")]
+    table = {line.split("`")[1]: line for line in rows}
+    for spec in attnlab.variant_specs():
+        if not spec.builtin:
+            continue
+        assert spec.name in table, spec.name
+        for p in spec.params:
+            assert f"`{p.name}`" in table[spec.name] and f"({p.default:g})" in table[spec.name], p
