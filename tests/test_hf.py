@@ -620,7 +620,8 @@ def test_one_parameter_check_in_both_modes(minilm, mode):
     cases = [({"u": 1.5}, "u must be a number in [0, 1], got 1.5"),
              ({"u": float("nan")}, "u must be a number in [0, 1], got NaN"),
              ({"u": torch.full((6, 12), -0.5)}, "u must be a number in [0, 1], got values in [-0.5, -0.5]"),
-             ({"u": torch.full((6, 5), 0.5)}, "u must be a number or a tensor broadcastable to (L, H) (6, 12)"),
+             ({"u": torch.full((6, 5), 0.5)},
+              "u must be a number or a tensor broadcastable to (L, H) (6, 12)"),
              ({"u": torch.full((2, 6, 12), 0.5)}, "u must be a number or a tensor broadcastable to (L, H)"),
              ({"iters": 0}, "iters must be an integer in [1, 10000], got 0"),
              ({"beta": 1}, "beta is not a parameter of any variant")]

@@ -65,6 +65,10 @@ def test_register_refuses_bad_names_and_builtin_replacement():
         attnlab.register_variant("unas", attnlab.normalizers.unas, replace=True)
     with pytest.raises(ValueError, match="normalizer must be a callable"):
         attnlab.register_variant("nothing", None)
+    with pytest.raises(ValueError, match="built-in variant and cannot be removed"):
+        specs.unregister_variant("dnas")
+    with pytest.raises(TypeError, match="read-only"):
+        attnlab.VARIANTS.append("x")
 
 
 # A toy variant: softmax at temperature t (a parameter), written as the brief asks: one function,
@@ -96,7 +100,8 @@ def toy(tmp_path, monkeypatch):
 
     toy_variant.register()
     yield toy_variant
-    specs._REGISTRY.pop("tempered", None)
+    specs.unregister_variant("tempered")
+    assert "tempered" not in attnlab.VARIANTS
     sys.modules.pop("toy_variant", None)
 
 

@@ -51,6 +51,7 @@ from attnlab.normalizers.specs import (
     check_variant,
     parameter_names,
     register_variant,
+    unregister_variant,
     variant_spec,
     variant_specs,
 )
@@ -70,6 +71,7 @@ __all__ = [
     "column_logsumexp",
     "parameter_names",
     "register_variant",
+    "unregister_variant",
     "row_logsumexp",
     "sinkhorn_potentials",
     "variant_spec",

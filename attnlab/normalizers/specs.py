@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 import threading
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
@@ -22,8 +22,8 @@ from typing import Any
 from attnlab.normalizers.checks import check_number
 
 __all__ = ["Param", "VariantSpec", "register_variant", "variant_spec", "variant_specs", "check_variant",
-           "check_param", "check_params", "parameter_names", "VARIANTS", "DEFAULT_VARIANTS",
-           "ENTRY_POINT_GROUP"]
+           "check_param", "check_params", "parameter_names", "unregister_variant", "VARIANTS",
+           "DEFAULT_VARIANTS", "ENTRY_POINT_GROUP"]
 
 ENTRY_POINT_GROUP = "attnlab.variants"
 
@@ -109,7 +109,21 @@ def register_variant(name: str, normalizer: Callable | None = None, *, replace: 
             raise ValueError(f"name {spec.name!r} is already registered"
                              + ("" if old.builtin else "; pass replace=True to replace it"))
         _REGISTRY[spec.name] = spec
+        VARIANTS._add(spec)
+        DEFAULT_VARIANTS._add(spec)
     return spec
+
+
+def unregister_variant(name: str) -> None:
+    """Remove a registered (non-built-in) variant, e.g. after trying one out in a notebook."""
+    spec = variant_spec(name)
+    if spec.builtin:
+        raise ValueError(f"name {name!r} is a built-in variant and cannot be removed")
+    with _lock:
+        del _REGISTRY[name]
+        for names in (VARIANTS, DEFAULT_VARIANTS):
+            if list.__contains__(names, name):
+                list.remove(names, name)
 
 
 def _load_entry_points() -> None:
@@ -199,35 +213,54 @@ def check_params(variant: str, params: Mapping[str, Any] | None = None, *, causa
     return out
 
 
-class _Names(Sequence):
-    """The registered variant names, live (a variant registered later appears), tuple-like."""
+class _Names(list):
+    """The registered variant names, live and read-only: a variant registered later appears in it.
+
+    A list underneath (so that pandas, numpy and Streamlit take it as they take a list), equal to the
+    tuple of its names, hashable; installed plugins (entry points) are loaded on first read.
+    """
 
     def __init__(self, only_default: bool = False):
+        super().__init__()
         self._only_default = only_default
 
-    def _names(self) -> tuple[str, ...]:
-        return tuple(s.name for s in variant_specs() if s.default or not self._only_default)
+    def _add(self, spec: VariantSpec) -> None:
+        if (spec.default or not self._only_default) and spec.name not in list(list.__iter__(self)):
+            list.append(self, spec.name)
 
-    def __getitem__(self, i):
-        return self._names()[i]
+    def __iter__(self):
+        _load_entry_points()
+        return super().__iter__()
 
     def __len__(self) -> int:
-        return len(self._names())
+        _load_entry_points()
+        return super().__len__()
+
+    def __getitem__(self, i):
+        _load_entry_points()
+        return super().__getitem__(i)
 
     def __contains__(self, name) -> bool:
-        return name in self._names()
+        _load_entry_points()
+        return super().__contains__(name)
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, (Sequence, _Names)) and tuple(self) == tuple(other)
+        return isinstance(other, (list, tuple)) and tuple(self) == tuple(other)
 
     def __hash__(self) -> int:
-        return hash(self._names())
+        return hash(tuple(self))
 
     def __add__(self, other):
-        return self._names() + tuple(other)
+        return tuple(self) + tuple(other)
 
     def __repr__(self) -> str:
-        return repr(self._names())
+        return repr(tuple(self))
+
+    def _read_only(self, *args, **kwargs):
+        raise TypeError("attnlab.VARIANTS is read-only: add a variant with attnlab.register_variant")
+
+    append = extend = insert = remove = pop = clear = sort = reverse = _read_only
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _read_only
 
 
 VARIANTS = _Names()  # every registered variant
