@@ -451,7 +451,7 @@ def test_tidy_table_agrees_with_the_public_functions(n_valid):
 def test_tidy_table_blocked_path_matches_single_block(monkeypatch):
     ws = variant_weights(2, 3, 16, seed=6)
     whole = stats.tidy_table(ws)
-    monkeypatch.setattr(stats, "CHUNK_BYTES", 16 * 4 * 3)  # blocks of 3 rows: exercises row blocking
+    monkeypatch.setattr(stats.engine, "CHUNK_BYTES", 16 * 4 * 3)  # blocks of 3 rows: exercises row blocking
     blocked = stats.tidy_table(ws)
     pd.testing.assert_frame_equal(whole, blocked, check_exact=False, atol=1e-6)
 
