@@ -50,6 +50,8 @@ def relative_positions(positions: torch.Tensor) -> torch.Tensor:
         except (TypeError, ValueError, RuntimeError) as e:
             raise ValueError(f"positions must be an integer tensor (..., n) of int64 values, got "
                              f"{type(positions).__name__} ({e})") from None
+        if positions.numel() == 0:  # an empty list: no dtype to infer
+            positions = positions.to(torch.int64)
     return _relative_positions(positions, check=True)
 
 
