@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
@@ -20,6 +21,17 @@ from hypothesis import strategies as st
 F64 = torch.float64
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 VIEWS = ("contiguous", "strided", "transposed", "expanded", "sliced")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The fuzz cases are hundreds of tiny problems: on a loaded 2-core machine, waking a second
+    torch thread for each costs more than the problem (seconds per case at load 13). One thread
+    here; the multi-threaded paths are covered by the other test modules."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
 
 
 def fuzz_settings(n: int):

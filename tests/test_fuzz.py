@@ -31,6 +31,7 @@ from fuzzkit import (
     broadcastable_shapes,
     fuzz_settings,
     non_broadcastable_shapes,
+    one_thread,  # noqa: F401 - autouse fixture
     random_mask,
     ref64,
     ref_column_lse,

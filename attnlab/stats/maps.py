@@ -181,7 +181,8 @@ def gini(column_mass: torch.Tensor, valid: torch.Tensor | None = None) -> torch.
         weighted = torch.where(ranks <= n[..., None], xs * ranks, x.new_zeros(())).sum(-1)
         total = torch.where(valid, x, x.new_zeros(())).sum(-1)
     g = safe_div(2.0 * weighted, n * total) - safe_div(n + 1.0, n)
-    return torch.where(total.isnan() | (total > 0), g, x.new_zeros(()))
+    g = torch.where(total > 0, g, x.new_zeros(()))
+    return torch.where(total.isnan(), total, g)  # a NaN mass: NaN, never a finite Gini
 
 
 @dataclass(frozen=True)
