@@ -38,9 +38,15 @@ def fuzz_settings(n: int):
     """Seeded hypothesis settings with ``n`` examples, no per-example deadline (the time is bounded by
     the inputs' sizes) and no shrinking: a failure reports the first failing example as drawn, which
     keeps the cases the normalizers' owner is fixing (xfail) as cheap as the passing ones."""
-    return settings(derandomize=True, deadline=None, max_examples=n, database=None,
-                    phases=[Phase.explicit, Phase.generate], report_multiple_bugs=False,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    return settings(
+        derandomize=True,
+        deadline=None,
+        max_examples=n,
+        database=None,
+        phases=[Phase.explicit, Phase.generate],
+        report_multiple_bugs=False,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
 
 
 def tolerance(dtype: torch.dtype, smax: float = 0.0) -> float:
@@ -95,8 +101,20 @@ def ref64(t: torch.Tensor) -> torch.Tensor:
 
 def broadcastable_shapes(B, H, M, N):
     """Shapes that broadcast to (B, H, M, N)."""
-    return [(), (N,), (M, 1), (M, N), (1, N), (1, 1), (B, 1, 1, N), (B, 1, M, 1), (1, H, M, N), (H, 1, N),
-            (B, H, M, N), (1, 1, 1, 1)]
+    return [
+        (),
+        (N,),
+        (M, 1),
+        (M, N),
+        (1, N),
+        (1, 1),
+        (B, 1, 1, N),
+        (B, 1, M, 1),
+        (1, H, M, N),
+        (H, 1, N),
+        (B, H, M, N),
+        (1, 1, 1, 1),
+    ]
 
 
 def non_broadcastable_shapes(B, H, M, N):
@@ -153,8 +171,9 @@ def ref_weights(scores64, variant, mask=None, causal=False, u=0.5, iters=1):
         return _row_norm(_col_norm(x, causal)).exp()
     if variant == "hnas":  # Eq. 12
         w = torch.as_tensor(u, dtype=F64)
-        return w * ref_weights(scores64, "dnas", mask, causal) + (1 - w) * ref_weights(scores64, "unas", mask,
-                                                                                        causal)
+        return w * ref_weights(scores64, "dnas", mask, causal) + (1 - w) * ref_weights(
+            scores64, "unas", mask, causal
+        )
     if variant == "sinkhorn":  # Eq. 10
         for _ in range(iters):
             x = _row_norm(_col_norm(x, causal))
@@ -189,12 +208,15 @@ def assert_value_error(fn, names, label=""):
         assert names_argument(e, names), f"{label}: ValueError does not name any of {names}: {e}"
         return str(e)
     except Exception as e:  # noqa: BLE001 - the point: never another exception type
-        raise AssertionError(f"{label}: expected ValueError naming {names}, got {type(e).__name__}: {e}") from e
+        raise AssertionError(
+            f"{label}: expected ValueError naming {names}, got {type(e).__name__}: {e}"
+        ) from e
     raise AssertionError(f"{label}: expected ValueError naming {names}, got a result")
 
 
-def assert_close_or_nan(got: torch.Tensor, ref: torch.Tensor, tol: float, label: str = "",
-                        masked: torch.Tensor | None = None) -> None:
+def assert_close_or_nan(
+    got: torch.Tensor, ref: torch.Tensor, tol: float, label: str = "", masked: torch.Tensor | None = None
+) -> None:
     """got equals ref within tol where ref is finite, and is NaN exactly where ref is NaN (a NaN-
     influenced entry at a masked position may also be 0). Shapes must agree."""
     assert tuple(got.shape) == tuple(ref.shape), f"{label}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
@@ -203,7 +225,9 @@ def assert_close_or_nan(got: torch.Tensor, ref: torch.Tensor, tol: float, label:
     got_nan = g.isnan()
     allowed_zero = ref_nan & (masked if masked is not None else torch.zeros_like(ref_nan)) & (g == 0)
     missing = ref_nan & ~got_nan & ~allowed_zero
-    assert not bool(missing.any()), f"{label}: finite value where NaN must propagate at {missing.nonzero()[:3].tolist()}"
+    assert not bool(missing.any()), (
+        f"{label}: finite value where NaN must propagate at {missing.nonzero()[:3].tolist()}"
+    )
     extra = got_nan & ~ref_nan
     assert not bool(extra.any()), f"{label}: NaN from finite inputs at {extra.nonzero()[:3].tolist()}"
     fin = ~ref_nan

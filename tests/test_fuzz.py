@@ -71,8 +71,16 @@ def _variant(r):
 
 
 @st.composite
-def problems(draw, max_len=5, views=("contiguous",), dtypes=(torch.float32, torch.float64), scales=(1.0, 4.0, 30.0),
-             min_len=1, numpy=False, masks="all"):
+def problems(
+    draw,
+    max_len=5,
+    views=("contiguous",),
+    dtypes=(torch.float32, torch.float64),
+    scales=(1.0, 4.0, 30.0),
+    min_len=1,
+    numpy=False,
+    masks="all",
+):
     """(B, H, M, N), a mask of a broadcastable shape (or None), variant, causal, u, iters, generator.
 
     Hypothesis draws one seed; every choice is made from it by ``random.Random``, so that each example
@@ -94,13 +102,35 @@ def problems(draw, max_len=5, views=("contiguous",), dtypes=(torch.float32, torc
     u_kinds = ["none", "python", "tensor_h", "tensor_bh", "zero", "one"] + (["np32", "np64"] if numpy else [])
     u_kind = r.pick(u_kinds)
     u_val = r.float()
-    u = {"none": None, "python": u_val, "np32": np.float32(u_val), "np64": np.float64(u_val),
-         "tensor_h": torch.rand(1, H, 1, 1, generator=gen, dtype=F64),
-         "tensor_bh": torch.rand(B, H, 1, 1, generator=gen, dtype=F64), "zero": 0, "one": 1}[u_kind]
+    u = {
+        "none": None,
+        "python": u_val,
+        "np32": np.float32(u_val),
+        "np64": np.float64(u_val),
+        "tensor_h": torch.rand(1, H, 1, 1, generator=gen, dtype=F64),
+        "tensor_bh": torch.rand(B, H, 1, 1, generator=gen, dtype=F64),
+        "zero": 0,
+        "one": 1,
+    }[u_kind]
     iters_arg = r.pick([iters, None if iters == 1 else iters] + ([np.int64(iters)] if numpy else []))
-    return dict(B=B, H=H, M=M, N=N, gen=gen, variant=variant, causal=causal, iters=iters, iters_arg=iters_arg,
-                mask=mask, u=u, view=r.pick(views), dtype=r.pick(dtypes),
-                scale=r.pick(scales), numpy=numpy, rng=r)
+    return dict(
+        B=B,
+        H=H,
+        M=M,
+        N=N,
+        gen=gen,
+        variant=variant,
+        causal=causal,
+        iters=iters,
+        iters_arg=iters_arg,
+        mask=mask,
+        u=u,
+        view=r.pick(views),
+        dtype=r.pick(dtypes),
+        scale=r.pick(scales),
+        numpy=numpy,
+        rng=r,
+    )
 
 
 def _u_ref(u):
@@ -124,8 +154,9 @@ def _check_weights(p, scores, got, label):
 
 
 def _weights_case(p, scores):
-    return attnlab.attention_weights(scores, p["variant"], mask=p["mask"], causal=p["causal"], u=p["u"],
-                                     iters=p["iters_arg"])
+    return attnlab.attention_weights(
+        scores, p["variant"], mask=p["mask"], causal=p["causal"], u=p["u"], iters=p["iters_arg"]
+    )
 
 
 def test_attention_weights_contiguous_float_inputs(reliability):
@@ -136,28 +167,40 @@ def test_attention_weights_contiguous_float_inputs(reliability):
         _check_weights(p, scores, _weights_case(p, scores), "attention_weights")
 
     run()
-    reliability("fuzz: attention_weights", "80 random (B, H, M, N) (M, N 1-5), every variant, masks of 12 "
-                "broadcastable shapes, causal, u float / per-head tensor, iters 1-4, float32 / float64",
-                "equal to the float64 loop-free reference within 3e-5 + 3e-6 max|s| (float32), 1e-9 (float64)")
+    reliability(
+        "fuzz: attention_weights",
+        "80 random (B, H, M, N) (M, N 1-5), every variant, masks of 12 "
+        "broadcastable shapes, causal, u float / per-head tensor, iters 1-4, float32 / float64",
+        "equal to the float64 loop-free reference within 3e-5 + 3e-6 max|s| (float32), 1e-9 (float64)",
+    )
 
 
 # Input classes beyond contiguous float32 / float64 with Python scalars (one test each, so that a
 # failure of one class does not hide the others): problems() keyword arguments, what is tried.
 CLASSES = {
-    "views": (dict(views=VIEWS[1:], min_len=3, max_len=6, min_dim=3), "sliced, transposed, expanded and x[..., ::2] tensors"),
+    "views": (
+        dict(views=VIEWS[1:], min_len=3, max_len=6, min_dim=3),
+        "sliced, transposed, expanded and x[..., ::2] tensors",
+    ),
     "half": (dict(dtypes=(torch.float16, torch.bfloat16)), "float16 / bfloat16"),
     "numpy": (dict(numpy=True), "u, iters (and scale) as numpy scalars"),
     "empty": (dict(min_len=0, max_len=2), "M or N = 0"),
 }
 PENDING = {  # input class -> what the normalizers' owner is fixing (measured on this branch's base)
-    "views": "non-contiguous inputs (item 1)", "half": None,
-    "numpy": "numpy scalars refused (item 3)", "empty": "0 queries or keys: IndexError (item 4)",
+    "views": "non-contiguous inputs (item 1)",
+    "half": None,
+    "numpy": "numpy scalars refused (item 3)",
+    "empty": "0 queries or keys: IndexError (item 4)",
 }
 
 
 def _classes(pending=PENDING):
-    return [pytest.param(c, marks=pytest.mark.xfail(strict=False, reason=f"{LEAD}: {pending[c]}"))
-            if pending.get(c) else c for c in CLASSES]
+    return [
+        pytest.param(c, marks=pytest.mark.xfail(strict=False, reason=f"{LEAD}: {pending[c]}"))
+        if pending.get(c)
+        else c
+        for c in CLASSES
+    ]
 
 
 @pytest.mark.parametrize("case", _classes())
@@ -171,8 +214,11 @@ def test_attention_weights_input_classes(case, reliability):
         _check_weights(p, scores, _weights_case(p, scores), f"attention_weights {p['view']} {p['dtype']}")
 
     run()
-    reliability(f"fuzz: attention_weights, {what}", "40 random cases, every variant, masks, causal, u, iters",
-                "equal to the float64 contiguous reference within the stated tolerance")
+    reliability(
+        f"fuzz: attention_weights, {what}",
+        "40 random cases, every variant, masks, causal, u, iters",
+        "equal to the float64 contiguous reference within the stated tolerance",
+    )
 
 
 @pytest.mark.xfail(strict=False, reason=LEAD + ": NaN must propagate (today: finite unnormalized weights)")
@@ -180,15 +226,20 @@ def test_attention_weights_nan_propagates(reliability):
     @fuzz_settings(80)
     @given(problems(max_len=4), st.data())
     def run(p, data):
-        scores = tensor(p["gen"], (p["B"], p["H"], p["M"], p["N"]), p["dtype"], "contiguous", p["scale"]).clone()
+        scores = tensor(
+            p["gen"], (p["B"], p["H"], p["M"], p["N"]), p["dtype"], "contiguous", p["scale"]
+        ).clone()
         idx = tuple(data.draw(st.integers(0, d - 1)) for d in scores.shape)
         scores[idx] = float("nan")
         _check_weights(p, scores, _weights_case(p, scores), "attention_weights NaN")
 
     run()
-    reliability("fuzz: NaN scores", "one NaN score in random (B, H, M, N) scores, every variant, masks, causal",
-                "NaN in exactly the weights it influences (its row; for dnas / hnas / sinkhorn every row sharing "
-                "its column through c_j), the rest equal to the reference; never a finite wrong value")
+    reliability(
+        "fuzz: NaN scores",
+        "one NaN score in random (B, H, M, N) scores, every variant, masks, causal",
+        "NaN in exactly the weights it influences (its row; for dnas / hnas / sinkhorn every row sharing "
+        "its column through c_j), the rest equal to the reference; never a finite wrong value",
+    )
 
 
 @pytest.mark.xfail(strict=False, reason=LEAD + ": +-inf scores (NaN propagation or ValueError naming scores)")
@@ -196,7 +247,9 @@ def test_attention_weights_inf_scores(reliability):
     @fuzz_settings(40)
     @given(problems(max_len=4), st.data())
     def run(p, data):
-        scores = tensor(p["gen"], (p["B"], p["H"], p["M"], p["N"]), p["dtype"], "contiguous", p["scale"]).clone()
+        scores = tensor(
+            p["gen"], (p["B"], p["H"], p["M"], p["N"]), p["dtype"], "contiguous", p["scale"]
+        ).clone()
         idx = tuple(data.draw(st.integers(0, d - 1)) for d in scores.shape)
         scores[idx] = data.draw(st.sampled_from([math.inf, -math.inf]))
         try:
@@ -207,11 +260,17 @@ def test_attention_weights_inf_scores(reliability):
         _check_weights(p, scores, got, "attention_weights inf")
 
     run()
-    reliability("fuzz: +-inf scores", "one +inf or -inf score, every variant", "a ValueError naming scores, or "
-                "NaN where the float64 reference is NaN (+inf) and the reference's value elsewhere (-inf = masked)")
+    reliability(
+        "fuzz: +-inf scores",
+        "one +inf or -inf score, every variant",
+        "a ValueError naming scores, or "
+        "NaN where the float64 reference is NaN (+inf) and the reference's value elsewhere (-inf = masked)",
+    )
 
 
-@pytest.mark.xfail(strict=False, reason=LEAD + ": one validation per parameter (u shapes, numpy, causal rule)")
+@pytest.mark.xfail(
+    strict=False, reason=LEAD + ": one validation per parameter (u shapes, numpy, causal rule)"
+)
 def test_attention_weights_bad_arguments_are_worded(reliability):
     @fuzz_settings(80)
     @given(problems(max_len=3, dtypes=(torch.float32,)), st.data())
@@ -219,27 +278,53 @@ def test_attention_weights_bad_arguments_are_worded(reliability):
         B, H, M, N = p["B"], p["H"], p["M"], p["N"]
         scores = tensor(p["gen"], (B, H, M, N), torch.float32, "contiguous")
         kw = dict(mask=None, causal=False, u=None, iters=None)
-        bad = data.draw(st.sampled_from(["mask_shape", "mask_dtype", "u_range", "u_nan", "u_type", "u_shape",
-                                         "iters_zero", "iters_float", "iters_bool", "iters_np_zero",
-                                         "causal_sinkhorn", "variant", "scores_int", "scores_1d", "scores_list"]))
+        bad = data.draw(
+            st.sampled_from(
+                [
+                    "mask_shape",
+                    "mask_dtype",
+                    "u_range",
+                    "u_nan",
+                    "u_type",
+                    "u_shape",
+                    "iters_zero",
+                    "iters_float",
+                    "iters_bool",
+                    "iters_np_zero",
+                    "causal_sinkhorn",
+                    "variant",
+                    "scores_int",
+                    "scores_1d",
+                    "scores_list",
+                ]
+            )
+        )
         variant, names = p["variant"], None
         if bad == "mask_shape":
-            kw["mask"] = random_mask(p["gen"], data.draw(st.sampled_from(non_broadcastable_shapes(B, H, M, N))))
+            kw["mask"] = random_mask(
+                p["gen"], data.draw(st.sampled_from(non_broadcastable_shapes(B, H, M, N)))
+            )
             names = ("mask",)
         elif bad == "mask_dtype":
             kw["mask"] = torch.ones(M, N, dtype=data.draw(st.sampled_from([torch.float32, torch.int64])))
             names = ("mask",)
         elif bad.startswith("u"):
             variant = "hnas"
-            kw["u"] = {"u_range": data.draw(st.sampled_from([-0.1, 1.5, np.float32(2.0), -1])),
-                       "u_nan": data.draw(st.sampled_from([math.nan, np.float64("nan"), math.inf])),
-                       "u_type": data.draw(st.sampled_from(["0.5", [0.5], True])),
-                       "u_shape": torch.full((B, H, 1, N + 2), 0.5)}[bad]
+            kw["u"] = {
+                "u_range": data.draw(st.sampled_from([-0.1, 1.5, np.float32(2.0), -1])),
+                "u_nan": data.draw(st.sampled_from([math.nan, np.float64("nan"), math.inf])),
+                "u_type": data.draw(st.sampled_from(["0.5", [0.5], True])),
+                "u_shape": torch.full((B, H, 1, N + 2), 0.5),
+            }[bad]
             names = ("u",)
         elif bad.startswith("iters"):
             variant = "sinkhorn"
-            kw["iters"] = {"iters_zero": data.draw(st.sampled_from([0, -3])), "iters_float": 2.5,
-                           "iters_bool": True, "iters_np_zero": np.int64(0)}[bad]
+            kw["iters"] = {
+                "iters_zero": data.draw(st.sampled_from([0, -3])),
+                "iters_float": 2.5,
+                "iters_bool": True,
+                "iters_np_zero": np.int64(0),
+            }[bad]
             names = ("iters",)
         elif bad == "causal_sinkhorn":
             variant, kw["causal"], kw["iters"] = "sinkhorn", True, data.draw(st.integers(2, 5))
@@ -255,10 +340,13 @@ def test_attention_weights_bad_arguments_are_worded(reliability):
         assert_value_error(lambda: attnlab.attention_weights(scores, variant, **kw), names, bad)
 
     run()
-    reliability("fuzz: attention_weights bad arguments", "non-broadcastable / non-bool masks, u outside [0, 1], "
-                "NaN, inf, str, u tensor not broadcastable to (B, H, 1, 1), iters 0 / 2.5 / True / np.int64(0), "
-                "causal sinkhorn with iters > 1, unknown variant, int / 1-D / list scores",
-                "ValueError naming the argument")
+    reliability(
+        "fuzz: attention_weights bad arguments",
+        "non-broadcastable / non-bool masks, u outside [0, 1], "
+        "NaN, inf, str, u tensor not broadcastable to (B, H, 1, 1), iters 0 / 2.5 / True / np.int64(0), "
+        "causal sinkhorn with iters > 1, unknown variant, int / 1-D / list scores",
+        "ValueError naming the argument",
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -284,8 +372,18 @@ def qkv(draw, min_dim=1, **kw):
 
 def _check_attend(p, label):
     q, k, v = p["q"], p["k"], p["v"]
-    res = attnlab.attend(q, k, v, p["variant"], mask=p["mask"], causal=p["causal"], u=p["u"],
-                         iters=p["iters_arg"], scale=p["scale_arg"], return_weights=p["return_weights"])
+    res = attnlab.attend(
+        q,
+        k,
+        v,
+        p["variant"],
+        mask=p["mask"],
+        causal=p["causal"],
+        u=p["u"],
+        iters=p["iters_arg"],
+        scale=p["scale_arg"],
+        return_weights=p["return_weights"],
+    )
     out, w = res if p["return_weights"] else (res, None)
     scale = 1.0 / math.sqrt(q.shape[-1]) if p["scale_arg"] is None else float(p["scale_arg"])
     s64 = scale * ref64(q) @ ref64(k).transpose(-1, -2)
@@ -306,9 +404,12 @@ def test_attend_contiguous_float_inputs(reliability):
         _check_attend(p, "attend")
 
     run()
-    reliability("fuzz: attend", "80 random q, k, v (M, N 1-5, D 1-6), every variant, masks of 12 "
-                "broadcastable shapes (separable and (i, j)-dependent), causal, return_weights, float32 / float64",
-                "out and weights equal to the float64 reference (weights @ v) within the stated tolerance")
+    reliability(
+        "fuzz: attend",
+        "80 random q, k, v (M, N 1-5, D 1-6), every variant, masks of 12 "
+        "broadcastable shapes (separable and (i, j)-dependent), causal, return_weights, float32 / float64",
+        "out and weights equal to the float64 reference (weights @ v) within the stated tolerance",
+    )
 
 
 @pytest.mark.parametrize("case", _classes())
@@ -321,23 +422,35 @@ def test_attend_input_classes(case, reliability):
         _check_attend(p, f"attend {p['view']} {p['dtype']}")
 
     run()
-    reliability(f"fuzz: attend, {what}", "40 random q, k, v, every variant, masks, causal, return_weights",
-                "equal to the float64 contiguous reference within the stated tolerance")
+    reliability(
+        f"fuzz: attend, {what}",
+        "40 random q, k, v, every variant, masks, causal, return_weights",
+        "equal to the float64 contiguous reference within the stated tolerance",
+    )
 
 
 @pytest.mark.xfail(strict=False, reason=LEAD + ": scale inf / NaN / 0 / negative must be a ValueError")
 def test_attend_bad_scale_is_worded(reliability):
     @fuzz_settings(30)
-    @given(qkv(dtypes=(torch.float32,)),
-           st.sampled_from([math.inf, -math.inf, math.nan, 0.0, -1.0, np.float32("nan"), np.float64(-0.5), "1",
-                            0]))
+    @given(
+        qkv(dtypes=(torch.float32,)),
+        st.sampled_from(
+            [math.inf, -math.inf, math.nan, 0.0, -1.0, np.float32("nan"), np.float64(-0.5), "1", 0]
+        ),
+    )
     def run(p, scale):
-        assert_value_error(lambda: attnlab.attend(p["q"], p["k"], p["v"], p["variant"], scale=scale), ("scale",),
-                           f"scale={scale!r}")
+        assert_value_error(
+            lambda: attnlab.attend(p["q"], p["k"], p["v"], p["variant"], scale=scale),
+            ("scale",),
+            f"scale={scale!r}",
+        )
 
     run()
-    reliability("fuzz: attend scale", "scale = inf, -inf, NaN, 0, negative, numpy NaN, a str",
-                "ValueError naming scale")
+    reliability(
+        "fuzz: attend scale",
+        "scale = inf, -inf, NaN, 0, negative, numpy NaN, a str",
+        "ValueError naming scale",
+    )
 
 
 def test_attend_bad_shapes_are_worded(reliability):
@@ -359,8 +472,11 @@ def test_attend_bad_shapes_are_worded(reliability):
         assert_value_error(lambda: attnlab.attend(q, k, v, p["variant"]), names, bad)
 
     run()
-    reliability("fuzz: attend shapes", "3-D q, k of another D, v of another N, integer q, a list v",
-                "ValueError naming q, k or v")
+    reliability(
+        "fuzz: attend shapes",
+        "3-D q, k of another D, v of another N, integer q, a list v",
+        "ValueError naming q, k or v",
+    )
 
 
 def test_attend_large_scales_match_reference(reliability):
@@ -374,8 +490,11 @@ def test_attend_large_scales_match_reference(reliability):
         _check_attend(p, f"attend scale {big}")
 
     run()
-    reliability("fuzz: attend at large scales", "scale 1e2 and 1e3 (scores up to ~1e4), float32, every variant",
-                "equal to the float64 reference within 3e-5 + 3e-6 max|s|")
+    reliability(
+        "fuzz: attend at large scales",
+        "scale 1e2 and 1e3 (scores up to ~1e4), float32, every variant",
+        "equal to the float64 reference within 3e-5 + 3e-6 max|s|",
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -383,14 +502,23 @@ def test_attend_large_scales_match_reference(reliability):
 # ----------------------------------------------------------------------------------------------
 
 
-LSE_CLASSES = {"contiguous": (dict(masks="4d"), "4-D masks"), "masks": (dict(), "masks of every broadcastable shape"),
-               **{k: v for k, v in CLASSES.items() if k != "half"}}
+LSE_CLASSES = {
+    "contiguous": (dict(masks="4d"), "4-D masks"),
+    "masks": (dict(), "masks of every broadcastable shape"),
+    **{k: v for k, v in CLASSES.items() if k != "half"},
+}
 LSE_PENDING = {"contiguous": None, "masks": "low-dim masks: IndexError (item 4)", **PENDING}
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xfail(strict=False, reason=f"{LEAD}: "
-                                                                           f"{LSE_PENDING[c]}"))
-                                  if LSE_PENDING.get(c) else c for c in LSE_CLASSES])
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(c, marks=pytest.mark.xfail(strict=False, reason=f"{LEAD}: {LSE_PENDING[c]}"))
+        if LSE_PENDING.get(c)
+        else c
+        for c in LSE_CLASSES
+    ],
+)
 def test_column_and_row_logsumexp_match_reference(case, reliability):
     kw, what = LSE_CLASSES[case]
 
@@ -406,22 +534,26 @@ def test_column_and_row_logsumexp_match_reference(case, reliability):
         ref = ref_column_lse(s64, p["mask"], None if bias is None else ref64(bias))
         assert_close_or_nan(got, ref, tolerance(q.dtype, smax) * 4, "column_logsumexp")
         mt = None if p["mask"] is None else p["mask"].expand(s64.shape).transpose(-1, -2)
-        got_r = attnlab.normalizers.row_logsumexp(q, k, None if mt is None else mt.transpose(-1, -2),
-                                                  p["scale_arg"])
+        got_r = attnlab.normalizers.row_logsumexp(
+            q, k, None if mt is None else mt.transpose(-1, -2), p["scale_arg"]
+        )
         ref_r = ref_column_lse(s64.transpose(-1, -2), mt)
         assert_close_or_nan(got_r, ref_r, tolerance(q.dtype, smax) * 4, "row_logsumexp")
 
     run()
-    reliability(f"fuzz: column_logsumexp / row_logsumexp, {what}", "40 random q, k (float32 / float64), masks, "
-                "a query bias", "equal to logsumexp of the float64 scores over valid entries (0 for an empty "
-                "column)")
+    reliability(
+        f"fuzz: column_logsumexp / row_logsumexp, {what}",
+        "40 random q, k (float32 / float64), masks, a query bias",
+        "equal to logsumexp of the float64 scores over valid entries (0 for an empty column)",
+    )
 
 
 @pytest.mark.xfail(strict=False, reason=LEAD + ": column_logsumexp has no argument checks (item 4)")
 def test_column_logsumexp_bad_arguments_are_worded(reliability):
     @fuzz_settings(40)
-    @given(qkv(dtypes=(torch.float32,)), st.sampled_from(["mask_float", "q3d", "kD",
-                                                                                  "scale_nan", "bias_shape"]))
+    @given(
+        qkv(dtypes=(torch.float32,)), st.sampled_from(["mask_float", "q3d", "kD", "scale_nan", "bias_shape"])
+    )
     def run(p, bad):
         q, k, mask, scale, bias, names = p["q"], p["k"], None, None, None, None
         if bad == "mask_float":
@@ -437,13 +569,22 @@ def test_column_logsumexp_bad_arguments_are_worded(reliability):
         assert_value_error(lambda: attnlab.column_logsumexp(q, k, mask, scale, bias), names, bad)
 
     run()
-    reliability("fuzz: column_logsumexp bad arguments", "float mask, 3-D q, k of another D, NaN scale, query_bias "
-                "of a wrong shape", "ValueError naming the argument")
+    reliability(
+        "fuzz: column_logsumexp bad arguments",
+        "float mask, 3-D q, k of another D, NaN scale, query_bias of a wrong shape",
+        "ValueError naming the argument",
+    )
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xfail(strict=False, reason=f"{LEAD}: "
-                                                                           f"{LSE_PENDING[c]}"))
-                                  if LSE_PENDING.get(c) else c for c in LSE_CLASSES])
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(c, marks=pytest.mark.xfail(strict=False, reason=f"{LEAD}: {LSE_PENDING[c]}"))
+        if LSE_PENDING.get(c)
+        else c
+        for c in LSE_CLASSES
+    ],
+)
 def test_sinkhorn_potentials_give_the_reference_weights(case, reliability):
     kw, what = LSE_CLASSES[case]
 
@@ -461,9 +602,12 @@ def test_sinkhorn_potentials_give_the_reference_weights(case, reliability):
         assert_close_or_nan(got, ref, tolerance(q.dtype, smax) * 4, "sinkhorn_potentials")
 
     run()
-    reliability(f"fuzz: sinkhorn_potentials, {what}", "40 random q, k, masks, iters 1-4 (float32 / float64)",
-                "softmax_j(s_ij - c_j) equals the float64 Sinkhorn reference (c is compared through the weights "
-                "it gives, so re-centring is allowed)")
+    reliability(
+        f"fuzz: sinkhorn_potentials, {what}",
+        "40 random q, k, masks, iters 1-4 (float32 / float64)",
+        "softmax_j(s_ij - c_j) equals the float64 Sinkhorn reference (c is compared through the weights "
+        "it gives, so re-centring is allowed)",
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -479,10 +623,13 @@ def test_relative_positions_fuzz(reliability):
     def run(values, kind):
         if kind == "int32":
             values = [v for v in values if -(2**31) <= v < 2**31]
-        pos = {"tensor": lambda: torch.tensor(values, dtype=torch.int64), "list": lambda: values,
-               "numpy": lambda: np.asarray(values, dtype=np.int64),
-               "int32": lambda: torch.tensor(values, dtype=torch.int32),
-               "batched": lambda: torch.tensor([values, values[::-1]], dtype=torch.int64)}[kind]()
+        pos = {
+            "tensor": lambda: torch.tensor(values, dtype=torch.int64),
+            "list": lambda: values,
+            "numpy": lambda: np.asarray(values, dtype=np.int64),
+            "int32": lambda: torch.tensor(values, dtype=torch.int32),
+            "batched": lambda: torch.tensor([values, values[::-1]], dtype=torch.int64),
+        }[kind]()
         ok = len(set(values)) == len(values) and (not values or max(values) - min(values) + 1 <= 2**63 - 1)
         if not ok:
             assert_value_error(lambda: attnlab.relative_positions(pos), ("positions",), f"{values}")
@@ -495,30 +642,45 @@ def test_relative_positions_fuzz(reliability):
     run()
     for bad in (torch.tensor([0.5, 1.0]), torch.tensor(3), torch.tensor([True, False]), "0,1"):
         assert_value_error(lambda b=bad: attnlab.relative_positions(b), ("positions",), repr(bad))
-    reliability("fuzz: relative_positions", "200 random int lists incl. duplicates and int64 extremes, as tensors, "
-                "lists, numpy, int32, batched; float / 0-dim / bool / str positions", "|pos_a - pos_b| + 1 exactly "
-                "(int64), or ValueError naming positions (duplicates: Eq. 29; spans that overflow int64)")
+    reliability(
+        "fuzz: relative_positions",
+        "200 random int lists incl. duplicates and int64 extremes, as tensors, "
+        "lists, numpy, int32, batched; float / 0-dim / bool / str positions",
+        "|pos_a - pos_b| + 1 exactly "
+        "(int64), or ValueError naming positions (duplicates: Eq. 29; spans that overflow int64)",
+    )
 
 
 def test_scores_functions_fuzz(reliability):
     @fuzz_settings(80)
-    @given(st.integers(0, 2**31 - 1), st.sampled_from(DTYPES), st.sampled_from(VIEWS),
-           st.sampled_from([1, 2, 3, 1.5, 0.5, np.float64(2.0), np.int64(3)]), st.booleans(),
-           st.integers(0, 4), st.integers(1, 4))
+    @given(
+        st.integers(0, 2**31 - 1),
+        st.sampled_from(DTYPES),
+        st.sampled_from(VIEWS),
+        st.sampled_from([1, 2, 3, 1.5, 0.5, np.float64(2.0), np.int64(3)]),
+        st.booleans(),
+        st.integers(0, 4),
+        st.integers(1, 4),
+    )
     def run(seed, dtype, kind, n, rescale, T, M):
         g = torch.Generator().manual_seed(seed)
         y = tensor(g, (2, T, M), dtype, kind)
         y64 = ref64(y)
         nf = float(n)
-        phi = (y64.pow(int(nf)) if nf.is_integer() else y64.sign() * y64.abs().pow(nf))
+        phi = y64.pow(int(nf)) if nf.is_integer() else y64.sign() * y64.abs().pow(nf)
         tol = tolerance(dtype) * 10
         got = sc.signed_power(y, n)
-        assert_close_or_nan(got, phi, tol * max(1.0, float(phi.abs().max()) if phi.numel() else 1.0), "signed_power")
+        assert_close_or_nan(
+            got, phi, tol * max(1.0, float(phi.abs().max()) if phi.numel() else 1.0), "signed_power"
+        )
         feats = sc.power_features(y, n, rescale)
         if rescale and nf != 1:
             rms = y64.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()
-            ref = rms * ((y64 / rms).pow(int(nf)) if nf.is_integer() else (y64 / rms).sign() *
-                         (y64 / rms).abs().pow(nf))
+            ref = rms * (
+                (y64 / rms).pow(int(nf))
+                if nf.is_integer()
+                else (y64 / rms).sign() * (y64 / rms).abs().pow(nf)
+            )
         else:
             ref = phi
         big = max(1.0, float(ref.abs().max()) if ref.numel() else 1.0)
@@ -536,11 +698,17 @@ def test_scores_functions_fuzz(reliability):
         assert_value_error(lambda b=bad_n: sc.signed_power(torch.ones(2), b), ("n",), repr(bad_n))
     assert_value_error(lambda: sc.polynomial_features(torch.ones(2, 2), 0), ("degree",), "degree 0")
     assert_value_error(lambda: sc.power_features(torch.ones(2, 2, dtype=torch.long), 2), ("y",), "int y")
-    assert_value_error(lambda: sc.gam_scores_reference(torch.ones(2, 3), torch.ones(2, 2), abs), ("bilinear",), "B")
-    reliability("fuzz: attnlab.scores", "signed_power / power_features (rescale on and off) / polynomial_features / "
-                "gam_scores_reference on 4 dtypes and every view, n integer, fractional, numpy; n <= 0, NaN, inf, "
-                "str; degree 0; integer y; a B of the wrong shape", "equal to the float64 formula (Eqs. 17-18, the "
-                "opt-in rms guard), or ValueError naming n / degree / y / bilinear")
+    assert_value_error(
+        lambda: sc.gam_scores_reference(torch.ones(2, 3), torch.ones(2, 2), abs), ("bilinear",), "B"
+    )
+    reliability(
+        "fuzz: attnlab.scores",
+        "signed_power / power_features (rescale on and off) / polynomial_features / "
+        "gam_scores_reference on 4 dtypes and every view, n integer, fractional, numpy; n <= 0, NaN, inf, "
+        "str; degree 0; integer y; a B of the wrong shape",
+        "equal to the float64 formula (Eqs. 17-18, the "
+        "opt-in rms guard), or ValueError naming n / degree / y / bilinear",
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -556,11 +724,25 @@ def _module(r, gen_seed):
     d = H * r.int(1, 3)
     torch.manual_seed(gen_seed)
     if r.bool():
-        return MultiHeadAttention(AttentionConfig(d_model=d, n_heads=H, variant=variant, iters=2)), d, H, False
-    cfg = GAMConfig(d_model=d, n_heads=H, variant=variant, iters=2, f=r.pick(["power", "poly"]),
-                    power=r.pick([1.0, 2.0]), n_brains=r.int(1, 2),
-                    rank=r.pick([None, 2]), relative_position=r.bool(), max_len=8,
-                    rescale=r.bool())
+        return (
+            MultiHeadAttention(AttentionConfig(d_model=d, n_heads=H, variant=variant, iters=2)),
+            d,
+            H,
+            False,
+        )
+    cfg = GAMConfig(
+        d_model=d,
+        n_heads=H,
+        variant=variant,
+        iters=2,
+        f=r.pick(["power", "poly"]),
+        power=r.pick([1.0, 2.0]),
+        n_brains=r.int(1, 2),
+        rank=r.pick([None, 2]),
+        relative_position=r.bool(),
+        max_len=8,
+        rescale=r.bool(),
+    )
     return GAMAttention(cfg), d, H, cfg.relative_position
 
 
@@ -574,8 +756,18 @@ def module_cases(draw):
     mask_shape = r.pick([None, (T,), (B, 1, 1, T), (1, 1, T, T), (B, H, T, T), (T, 1)])
     mask = None if mask_shape is None else random_mask(g, mask_shape)
     causal = r.bool() and module.config.variant != "sinkhorn"
-    return dict(module=module.eval(), d=d, B=B, T=T, gen=g, mask=mask, causal=causal, rel=rel,
-                view=r.pick(VIEWS), dtype=r.pick((torch.float32, torch.float64)))
+    return dict(
+        module=module.eval(),
+        d=d,
+        B=B,
+        T=T,
+        gen=g,
+        mask=mask,
+        causal=causal,
+        rel=rel,
+        view=r.pick(VIEWS),
+        dtype=r.pick((torch.float32, torch.float64)),
+    )
 
 
 def test_modules_forward_fuzz(reliability):
@@ -593,15 +785,33 @@ def test_modules_forward_fuzz(reliability):
         assert_close_or_nan(w, ref_w, tol, f"{type(m).__name__} weights")
 
     run()
-    reliability("fuzz: modules' forward", "40 random MultiHeadAttention / GAMAttention (every variant, power / "
-                "poly, brains, rank, relative positions, rescale on / off) on views of x, masks (T,), (B, 1, 1, T), "
-                "(T, T), (B, H, T, T), (T, 1), causal", "equal to the same module in float64 on a contiguous x")
+    reliability(
+        "fuzz: modules' forward",
+        "40 random MultiHeadAttention / GAMAttention (every variant, power / "
+        "poly, brains, rank, relative positions, rescale on / off) on views of x, masks (T,), (B, 1, 1, T), "
+        "(T, T), (B, H, T, T), (T, 1), causal",
+        "equal to the same module in float64 on a contiguous x",
+    )
 
 
 def test_modules_bad_inputs_are_worded(reliability):
     @fuzz_settings(40)
-    @given(module_cases(), st.sampled_from(["x2d", "xwidth", "xint", "xlist", "mask_shape", "mask_float",
-                                            "positions_shape", "positions_float", "causal_str"]))
+    @given(
+        module_cases(),
+        st.sampled_from(
+            [
+                "x2d",
+                "xwidth",
+                "xint",
+                "xlist",
+                "mask_shape",
+                "mask_float",
+                "positions_shape",
+                "positions_float",
+                "causal_str",
+            ]
+        ),
+    )
     def run(p, bad):
         m, B, T, d = p["module"].float(), p["B"], p["T"], p["d"]
         x = torch.zeros(B, T, d)
@@ -621,13 +831,19 @@ def test_modules_bad_inputs_are_worded(reliability):
         elif bad == "causal_str":
             kw["causal"], names = "yes", ("causal",)
         elif p["rel"]:
-            kw["positions"] = torch.zeros(T + 1, dtype=torch.long) if bad == "positions_shape" else torch.zeros(T)
+            kw["positions"] = (
+                torch.zeros(T + 1, dtype=torch.long) if bad == "positions_shape" else torch.zeros(T)
+            )
             names = ("positions",)
         else:
             return
         assert_value_error(lambda: m(x, **kw), names, bad)
 
     run()
-    reliability("fuzz: modules' bad inputs", "2-D x (GAMAttention said 'not enough values to unpack'), x of another "
-                "width, integer x, a list, masks that do not broadcast or are float, positions of a wrong shape "
-                "or dtype, causal='yes'", "ValueError naming x / mask / positions / causal")
+    reliability(
+        "fuzz: modules' bad inputs",
+        "2-D x (GAMAttention said 'not enough values to unpack'), x of another "
+        "width, integer x, a list, masks that do not broadcast or are float, positions of a wrong shape "
+        "or dtype, causal='yes'",
+        "ValueError naming x / mask / positions / causal",
+    )

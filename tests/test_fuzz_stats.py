@@ -60,14 +60,20 @@ def ref_stats(w64, mask, eps, special=None):
     M, N = w.shape[-2:]
     dist = (torch.arange(M, dtype=F64)[:, None] - torch.arange(N, dtype=F64)[None, :]).abs()
     out = {
-        "column_mass": m, "relative_column_mass": rel,
-        "explained_away": _mean_over(below, keys), "explained_away_relative": _mean_over(below_rel, keys),
-        "row_entropy": _mean_over(-xlogx.sum(-1), rows), "distance": _mean_over((w * dist).sum(-1), rows),
+        "column_mass": m,
+        "relative_column_mass": rel,
+        "explained_away": _mean_over(below, keys),
+        "explained_away_relative": _mean_over(below_rel, keys),
+        "row_entropy": _mean_over(-xlogx.sum(-1), rows),
+        "distance": _mean_over((w * dist).sum(-1), rows),
     }
     target = torch.where(Nv > 0, Mv / Nv.clamp_min(1), torch.zeros_like(Nv))
     col_dev = (m - target[..., None]).abs()
-    out["ds_column_max"] = torch.where(keys, col_dev, torch.zeros_like(col_dev)).amax(-1) if N else \
-        torch.zeros(m.shape[:-1], dtype=F64)
+    out["ds_column_max"] = (
+        torch.where(keys, col_dev, torch.zeros_like(col_dev)).amax(-1)
+        if N
+        else torch.zeros(m.shape[:-1], dtype=F64)
+    )
     out["ds_column_mean"] = _mean_over(col_dev, keys)
     if special is not None:
         out["special"] = _mean_over((w * special.to(F64)).sum(-1), rows)
@@ -138,10 +144,12 @@ def _check_all(p, label=""):
     ref = ref_stats(ref64(w), mask, float(eps), p["special"])
     tol = _tol(p)
     got = {
-        "column_mass": stats.column_mass(w, mask), "relative_column_mass": stats.relative_column_mass(w, mask),
+        "column_mass": stats.column_mass(w, mask),
+        "relative_column_mass": stats.relative_column_mass(w, mask),
         "explained_away": stats.explained_away_fraction(w, eps, mask),
         "explained_away_relative": stats.explained_away_fraction(w, eps, mask, relative=True),
-        "row_entropy": stats.row_entropy(w, mask), "distance": stats.mean_attention_distance(w, mask),
+        "row_entropy": stats.row_entropy(w, mask),
+        "distance": stats.mean_attention_distance(w, mask),
         "special": stats.special_token_mass(w, p["special"], mask),
     }
     ds = stats.doubly_stochastic_deviation(w, mask)
@@ -154,7 +162,9 @@ def _check_all(p, label=""):
         assert_close_or_nan(g, r.expand(g.shape) if r.dim() < g.dim() else r, tol * 10, f"{label} {name}")
     m = ref["column_mass"]
     keys = _full(mask, ref64(w).shape).any(-2).expand(m.shape)
-    assert_close_or_nan(stats.gini(stats.column_mass(w, mask), keys), ref_gini(m, keys), tol * 10, f"{label} gini")
+    assert_close_or_nan(
+        stats.gini(stats.column_mass(w, mask), keys), ref_gini(m, keys), tol * 10, f"{label} gini"
+    )
 
 
 def test_map_statistics_match_references(reliability):
@@ -164,10 +174,14 @@ def test_map_statistics_match_references(reliability):
         _check_all(p, "contiguous")
 
     run()
-    reliability("fuzz: attnlab.stats per-map statistics", "80 random (B, H, M, N) weights incl. M or N = 0, masks "
-                "of 12 broadcastable shapes incl. key-only (N,) (IndexError before) and query-only (M, 1), eps as "
-                "python / numpy scalars", "column mass, relative mass, explained-away shares, entropy, distance, "
-                "special mass, doubly-stochastic deviation, Gini equal to float64 references from their definitions")
+    reliability(
+        "fuzz: attnlab.stats per-map statistics",
+        "80 random (B, H, M, N) weights incl. M or N = 0, masks "
+        "of 12 broadcastable shapes incl. key-only (N,) (IndexError before) and query-only (M, 1), eps as "
+        "python / numpy scalars",
+        "column mass, relative mass, explained-away shares, entropy, distance, "
+        "special mass, doubly-stochastic deviation, Gini equal to float64 references from their definitions",
+    )
 
 
 def test_map_statistics_on_views_and_half_precision(reliability):
@@ -177,8 +191,11 @@ def test_map_statistics_on_views_and_half_precision(reliability):
         _check_all(p, f"{p['dtype']}")
 
     run()
-    reliability("fuzz: attnlab.stats on views", "60 random cases: sliced, transposed, expanded, x[..., ::2] "
-                "weights; float16 / bfloat16", "equal to the float64 contiguous references")
+    reliability(
+        "fuzz: attnlab.stats on views",
+        "60 random cases: sliced, transposed, expanded, x[..., ::2] weights; float16 / bfloat16",
+        "equal to the float64 contiguous references",
+    )
 
 
 def test_statistics_propagate_nan(reliability):
@@ -192,8 +209,11 @@ def test_statistics_propagate_nan(reliability):
         _check_all(p, "NaN")
 
     run()
-    reliability("fuzz: NaN weights in attnlab.stats", "one NaN weight at a random (masked or valid) position",
-                "NaN in exactly the statistics it enters (a masked NaN is ignored); never a finite wrong value")
+    reliability(
+        "fuzz: NaN weights in attnlab.stats",
+        "one NaN weight at a random (masked or valid) position",
+        "NaN in exactly the statistics it enters (a masked NaN is ignored); never a finite wrong value",
+    )
 
 
 def test_rollout_js_and_words_match_references(reliability):
@@ -204,8 +224,11 @@ def test_rollout_js_and_words_match_references(reliability):
         L, H, N = r.int(1, 3), r.int(1, 3), r.int(0, 4)
         gen = torch.Generator().manual_seed(r.int(0, 2**31 - 1))
         dtype = r.pick((torch.float32, torch.float64))
-        w64 = torch.softmax(torch.randn(L, H, N, N, generator=gen, dtype=F64), -1) if N else \
-            torch.zeros(L, H, 0, 0, dtype=F64)
+        w64 = (
+            torch.softmax(torch.randn(L, H, N, N, generator=gen, dtype=F64), -1)
+            if N
+            else torch.zeros(L, H, 0, 0, dtype=F64)
+        )
         w = view_of(w64.to(dtype), r.pick(VIEWS[:2] + ("transposed", "sliced")))
         w64 = ref64(w)
         tol = 1e-9 if dtype == F64 else 1e-5 * max(1, N) * L
@@ -216,10 +239,15 @@ def test_rollout_js_and_words_match_references(reliability):
         for a in A[1:]:
             R = a @ R
         assert_close_or_nan(stats.attention_rollout(w), R, tol, "rollout")
-        p, q = w, view_of(torch.softmax(torch.randn(L, H, N, N, generator=gen, dtype=F64), -1).to(dtype),
-                          "strided") if N else w
-        assert_close_or_nan(stats.js_distance(p, q, reduce=False), ref_js(w64, ref64(q)), 1e-3 if dtype != F64
-                            else 1e-6, "js")
+        p, q = (
+            w,
+            view_of(torch.softmax(torch.randn(L, H, N, N, generator=gen, dtype=F64), -1).to(dtype), "strided")
+            if N
+            else w,
+        )
+        assert_close_or_nan(
+            stats.js_distance(p, q, reduce=False), ref_js(w64, ref64(q)), 1e-3 if dtype != F64 else 1e-6, "js"
+        )
         hj = stats.head_js_matrix(w)
         ref_h = torch.zeros(L, H, H, dtype=F64)
         for a in range(H):
@@ -237,8 +265,11 @@ def test_rollout_js_and_words_match_references(reliability):
         assert len(stats.merge_tokens([f"t{i}" for i in range(N)], ids)) == len(units)
 
     run()
-    reliability("fuzz: rollout, JS, words", "60 random (L, H, N, N) incl. N = 0, views, float32 / float64",
-                "attention_rollout, js_distance, head_js_matrix, word_aggregate equal to float64 loop references")
+    reliability(
+        "fuzz: rollout, JS, words",
+        "60 random (L, H, N, N) incl. N = 0, views, float32 / float64",
+        "attention_rollout, js_distance, head_js_matrix, word_aggregate equal to float64 loop references",
+    )
 
 
 def test_tables_and_row_sums(reliability):
@@ -248,36 +279,75 @@ def test_tables_and_row_sums(reliability):
         r = Rng(seed)
         L, H, N = r.int(0, 2), r.int(0, 2), r.int(0, 4)
         gen = torch.Generator().manual_seed(r.int(0, 2**31 - 1))
-        ws = {v: view_of(torch.softmax(torch.randn(L, H, N, N, generator=gen), -1) if N else
-                         torch.zeros(L, H, 0, 0), r.pick(VIEWS[:2] + ("transposed",))) for v in ("unas", "dnas")}
+        ws = {
+            v: view_of(
+                torch.softmax(torch.randn(L, H, N, N, generator=gen), -1) if N else torch.zeros(L, H, 0, 0),
+                r.pick(VIEWS[:2] + ("transposed",)),
+            )
+            for v in ("unas", "dnas")
+        }
         special = torch.rand(N, generator=gen) < 0.4
         valid = r.pick([None, torch.rand(N, generator=gen) < 0.7])
         u = r.pick([0.5, np.float32(0.25), torch.full((L, H), 0.3), 1])
-        table = stats.tidy_table(ws, valid=valid, special=special, u=u, eps=np.float64(0.05), window=r.pick([None, 3]))
+        table = stats.tidy_table(
+            ws, valid=valid, special=special, u=u, eps=np.float64(0.05), window=r.pick([None, 3])
+        )
         assert list(table.columns[:5]) == ["variant", "layer", "head", "statistic", "value"]
         assert len(table) == (len(ws) * L * H * len(set(table["statistic"])) if L * H else 0)
         assert not table["value"].isna().any()
         if valid is None and L * H:
-            sums = {v: stats.RowSums.from_maps(w, special=special, reference=None if v == "unas" else ws["unas"])
-                    for v, w in ws.items()}
-            fast = stats.table_from_row_sums(sums, special_index=0, u=u, eps=np.float64(0.05),
-                                             window=table.get("window", pd.Series([None])).iloc[0]
-                                             if "window" in table else None)
+            sums = {
+                v: stats.RowSums.from_maps(w, special=special, reference=None if v == "unas" else ws["unas"])
+                for v, w in ws.items()
+            }
+            fast = stats.table_from_row_sums(
+                sums,
+                special_index=0,
+                u=u,
+                eps=np.float64(0.05),
+                window=table.get("window", pd.Series([None])).iloc[0] if "window" in table else None,
+            )
             pd.testing.assert_frame_equal(fast, table, check_exact=False, atol=1e-6)
         agg = stats.aggregate_windows([table, table])
         if len(table):
             assert np.allclose(agg["std"], 0.0)
 
     run()
-    reliability("fuzz: tidy_table / RowSums", "30 random {variant: (L, H, N, N)} incl. L, H or N = 0, views, valid "
-                "and special masks, u as float / numpy / (L, H) tensor", "no NaN, one row per (variant, layer, head, "
-                "statistic); table_from_row_sums(RowSums.from_maps(...)) equals tidy_table")
+    reliability(
+        "fuzz: tidy_table / RowSums",
+        "30 random {variant: (L, H, N, N)} incl. L, H or N = 0, views, valid "
+        "and special masks, u as float / numpy / (L, H) tensor",
+        "no NaN, one row per (variant, layer, head, "
+        "statistic); table_from_row_sums(RowSums.from_maps(...)) equals tidy_table",
+    )
 
 
-@pytest.mark.parametrize("bad", ["weights_list", "weights_int", "weights_1d", "mask_float", "mask_shape", "eps_neg",
-                                 "eps_nan", "eps_str", "u_range", "u_tensor_range", "n_valid", "special_shape",
-                                 "word_ids_len", "word_ids_type", "tokens_type", "rollout_empty", "rollout_square",
-                                 "agg_weights", "agg_empty", "rowsums_shape", "pair_mask"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "weights_list",
+        "weights_int",
+        "weights_1d",
+        "mask_float",
+        "mask_shape",
+        "eps_neg",
+        "eps_nan",
+        "eps_str",
+        "u_range",
+        "u_tensor_range",
+        "n_valid",
+        "special_shape",
+        "word_ids_len",
+        "word_ids_type",
+        "tokens_type",
+        "rollout_empty",
+        "rollout_square",
+        "agg_weights",
+        "agg_empty",
+        "rowsums_shape",
+        "pair_mask",
+    ],
+)
 def test_statistics_bad_arguments_are_worded(bad, reliability):
     w = torch.softmax(torch.randn(2, 3, 4, 4, generator=torch.Generator().manual_seed(0)), -1)
     calls = {
@@ -285,8 +355,12 @@ def test_statistics_bad_arguments_are_worded(bad, reliability):
         "weights_int": (lambda: stats.row_entropy(w.long()), ("weights",)),
         "weights_1d": (lambda: stats.column_mass(w[0, 0, 0]), ("weights",)),
         "mask_float": (lambda: stats.column_mass(w, torch.ones(4)), ("mask",)),
-        "mask_shape": (lambda: stats.row_entropy(w, torch.ones(non_broadcastable_shapes(2, 3, 4, 4)[0],
-                                                               dtype=torch.bool)), ("mask",)),
+        "mask_shape": (
+            lambda: stats.row_entropy(
+                w, torch.ones(non_broadcastable_shapes(2, 3, 4, 4)[0], dtype=torch.bool)
+            ),
+            ("mask",),
+        ),
         "eps_neg": (lambda: stats.explained_away_fraction(w, -0.1), ("eps",)),
         "eps_nan": (lambda: stats.explained_away_fraction(w, np.float32("nan")), ("eps",)),
         "eps_str": (lambda: stats.explained_away_fraction(w, "0.1"), ("eps",)),
@@ -299,28 +373,42 @@ def test_statistics_bad_arguments_are_worded(bad, reliability):
         "tokens_type": (lambda: stats.merge_tokens([1, 2], [0, 1]), ("tokens",)),
         "rollout_empty": (lambda: stats.attention_rollout(torch.zeros(0, 2, 3, 3)), ("weights",)),
         "rollout_square": (lambda: stats.attention_rollout(torch.zeros(2, 2, 3, 4)), ("weights",)),
-        "agg_weights": (lambda: stats.aggregate_windows([stats.tidy_table({"unas": w})] * 2, weights=[1.0]),
-                        ("weights",)),
+        "agg_weights": (
+            lambda: stats.aggregate_windows([stats.tidy_table({"unas": w})] * 2, weights=[1.0]),
+            ("weights",),
+        ),
         "agg_empty": (lambda: stats.aggregate_windows([]), ("tables",)),
-        "rowsums_shape": (lambda: stats.RowSums((2, 3, 4, 4), cols=torch.zeros(6, 5), rowsum=torch.zeros(6, 4),
-                                                entropy=torch.zeros(6, 4), distance=torch.zeros(6, 4)),
-                          ("RowSums.cols",)),
+        "rowsums_shape": (
+            lambda: stats.RowSums(
+                (2, 3, 4, 4),
+                cols=torch.zeros(6, 5),
+                rowsum=torch.zeros(6, 4),
+                entropy=torch.zeros(6, 4),
+                distance=torch.zeros(6, 4),
+            ),
+            ("RowSums.cols",),
+        ),
         "pair_mask": (lambda: stats.pair_mask(torch.tensor(True)), ("valid_q",)),
     }
     fn, names = calls[bad]
     msg = assert_value_error(fn, names, bad)
     if bad == "mask_shape":
-        reliability("fuzz: attnlab.stats bad arguments", f"{len(calls)} kinds: lists, integer or 1-D weights, float "
-                    "or non-broadcastable masks, eps < 0 / NaN / str, u outside [0, 1], n_valid < 0, a special mask "
-                    "of another length, word ids of another length or type, empty or non-square rollout, fewer "
-                    "window weights than tables, RowSums of inconsistent shapes", f"ValueError naming the argument "
-                    f"(e.g. {msg})")
+        reliability(
+            "fuzz: attnlab.stats bad arguments",
+            f"{len(calls)} kinds: lists, integer or 1-D weights, float "
+            "or non-broadcastable masks, eps < 0 / NaN / str, u outside [0, 1], n_valid < 0, a special mask "
+            "of another length, word ids of another length or type, empty or non-square rollout, fewer "
+            "window weights than tables, RowSums of inconsistent shapes",
+            f"ValueError naming the argument (e.g. {msg})",
+        )
 
 
 def test_numpy_scalars_equal_python_scalars():
     w = torch.softmax(torch.randn(2, 5, 5, generator=torch.Generator().manual_seed(1)), -1)
     for a, b in ((0.2, np.float32(0.2)), (0.3, np.float64(0.3)), (1, np.int64(1))):
-        torch.testing.assert_close(stats.explained_away_fraction(w, a), stats.explained_away_fraction(w, float(b)))
+        torch.testing.assert_close(
+            stats.explained_away_fraction(w, a), stats.explained_away_fraction(w, float(b))
+        )
         stats.explained_away_fraction(w, b)
     assert stats.dnas_bound(np.int64(4)) == 0.25 and stats.hnas_bound(np.float32(0.5), np.int32(4)) == 0.125
     assert math.isclose(stats.hnas_bound(torch.tensor(0.5), 4), 0.125)
