@@ -305,3 +305,24 @@ def test_modules_refuse_bad_inputs_with_worded_errors(bad, match):
         keys = torch.tensor([True, True, False, True])
         out = module(x, mask=keys)  # a key-only (T,) mask
         torch.testing.assert_close(out, module(x, mask=keys[None, None, None]))
+
+
+def test_resume_keeps_the_checkpoints_rescale(tmp_path):
+    import json
+
+    from attnlab.models import ModelConfig
+    from attnlab.train.trainer import _with_checkpoint_rescale
+
+    model = {"kind": "encoder", "vocab_size": 16, "max_len": 8, "d_model": 8, "n_layers": 1, "n_heads": 2,
+             "gam": True, "gam_options": {"f": "power", "power": 2.0}}
+    step = tmp_path / "step-00000001"
+    step.mkdir()
+    (step / "config.json").write_text(json.dumps({"format": "attnlab-checkpoint/1", "model": model}))
+    (step / "model.safetensors").write_bytes(b"")
+    recipe = ModelConfig.from_dict(model)  # the recipe has no rescale: today's default, off
+    assert recipe.gam_options["rescale"] is False
+    resumed = _with_checkpoint_rescale(recipe, step)  # the old checkpoint was trained with it on
+    assert resumed.gam_config(0).rescale is True
+    model["gam_options"]["rescale"] = False
+    (step / "config.json").write_text(json.dumps({"format": "attnlab-checkpoint/1", "model": model}))
+    assert _with_checkpoint_rescale(recipe, step) is recipe
