@@ -193,6 +193,8 @@ def _run(args) -> int:
             raise InputError(f"--{e}") from None
     if args.threads is not None and args.threads < 1:
         raise InputError(f"--threads must be >= 1, got {args.threads}")
+    if not 0.0 < args.max_mb < float("inf"):  # NaN fails too
+        raise InputError(f"--max-mb must be a finite number > 0, got {args.max_mb:g}")
     text, size, file_sha256 = read_text(args.file, args.max_mb)
     out = _output_dir(args)
 

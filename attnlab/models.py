@@ -42,6 +42,7 @@ __all__ = [
     "save",
     "load",
     "load_config",
+    "model_config_from_checkpoint",
     "resolve_checkpoint",
     "atomic_write_bytes",
     "atomic_write_json",
@@ -111,6 +112,8 @@ class ModelConfig:
         if bad:
             raise ValueError(f"ModelConfig.gam_options has unknown or reserved keys {sorted(bad)}")
         if any(self.layer_gam()):
+            # the overflow guard is recorded explicitly, so that every checkpoint says whether it used it
+            self.gam_options = {"rescale": GAMConfig.rescale, **self.gam_options}
             self.gam_config(0)  # validates the options now, not at the first forward
 
     def layer_variants(self) -> list[str]:
@@ -143,6 +146,24 @@ class ModelConfig:
             known = [f.name for f in fields(cls)]
             raise ValueError(f"unknown model config keys {sorted(unknown)}; known: {known}")
         return cls(**d)
+
+
+# Checkpoints written before GAMConfig.rescale defaulted to False (their gam_options have no "rescale"
+# key) were trained with the overflow guard on, and load with it.
+LEGACY_GAM_RESCALE = True
+
+
+def model_config_from_checkpoint(model: dict) -> ModelConfig:
+    """ModelConfig of a checkpoint's ``config.json["model"]``, old checkpoints with their old behaviour
+    (GAM layers without a recorded ``rescale`` get ``LEGACY_GAM_RESCALE``)."""
+    if not isinstance(model, dict):
+        raise ValueError(f"a checkpoint's model config must be a JSON object, got {type(model).__name__}")
+    gam = model.get("gam", False)
+    uses_gam = any(gam) if isinstance(gam, list) else bool(gam)
+    options = model.get("gam_options", {})
+    if uses_gam and isinstance(options, dict) and "rescale" not in options:
+        model = {**model, "gam_options": {**options, "rescale": LEGACY_GAM_RESCALE}}
+    return ModelConfig.from_dict(model)
 
 
 @dataclass
@@ -405,7 +426,7 @@ def load(directory: str | os.PathLike, device: str | torch.device = "cpu") -> Tr
         raise ValueError(
             f"{step_dir / CONFIG_FILE} is not an attnlab checkpoint (format {config.get('format')!r})"
         )
-    model = TransformerLM(ModelConfig.from_dict(config["model"]))
+    model = TransformerLM(model_config_from_checkpoint(config["model"]))
     try:
         state = st_load((step_dir / WEIGHTS_FILE).read_bytes())
     except SafetensorError as e:  # truncated or not a safetensors file; a plain Exception subclass

@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attnlab.normalizers import VARIANTS, attend, attention_weights
-from attnlab.scores import polynomial_features, power_features, relative_positions
+from attnlab.normalizers import attend, attention_weights, check_variant
+from attnlab.scores import _relative_positions, polynomial_features, power_features
 
 __all__ = [
     "HybridWeight",
@@ -29,8 +29,41 @@ __all__ = [
 
 
 def _check_variant(variant: str, name: str = "variant") -> None:
-    if variant not in VARIANTS:
-        raise ValueError(f"{name} must be one of {tuple(VARIANTS)}, got {variant!r}")
+    check_variant(variant, name)  # one check, the registry's
+
+
+def _check_input(x, d_model: int) -> tuple[int, int, int]:
+    """x must be a floating (B, T, d_model) tensor; returns (B, T, d_model)."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        seen = f"dtype {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x must be a floating-point tensor (B, T, d_model={d_model}), got {seen}")
+    if x.dim() != 3 or x.shape[-1] != d_model:
+        raise ValueError(f"x must have shape (B, T, d_model={d_model}), got {tuple(x.shape)}")
+    return tuple(x.shape)
+
+
+def _check_mask(mask, B: int, H: int, T: int) -> torch.Tensor | None:
+    """mask: None or bool broadcastable to (B, H, T, T) -> a 4-D view (leading 1s added)."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        seen = f"dtype {mask.dtype}" if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"mask must be a boolean tensor broadcastable to (B, H, T, T) = ({B}, {H}, {T}, "
+                         f"{T}), got {seen}")
+    try:
+        ok = mask.dim() <= 4 and torch.broadcast_shapes(mask.shape, (B, H, T, T)) == (B, H, T, T)
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"mask must broadcast to (B, H, T, T) = ({B}, {H}, {T}, {T}), got shape "
+                         f"{tuple(mask.shape)}")
+    return mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+
+
+def _check_flag(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value
 
 
 class HybridWeight(nn.Module):
@@ -60,6 +93,10 @@ class AttentionConfig:
 
     def __post_init__(self):
         _check_variant(self.variant)
+        for name in ("d_model", "n_heads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"AttentionConfig.{name} must be an integer >= 1, got {value!r}")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model must be divisible by n_heads, got {self.d_model} and {self.n_heads}")
 
@@ -86,7 +123,9 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, x, mask=None, causal=False, return_weights=False):
         """x (B, T, C); mask bool broadcastable to (B, H, T, T), e.g. key padding (B, 1, 1, T)."""
-        B, T, C = x.shape
+        B, T, C = _check_input(x, self.config.d_model)
+        mask = _check_mask(mask, B, self.n_heads, T)
+        _check_flag("causal", causal), _check_flag("return_weights", return_weights)
         q, k, v = self.qkv(x).split(C, dim=-1)
         q, k, v = (t.view(B, T, self.n_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
         # q, k, v: (B, H, T, D)
@@ -109,7 +148,9 @@ class GAMConfig:
     f: str = "power"  # "power" (Eq. 17) or "poly" (Eq. 18)
     power: float = 1.0  # n1 of the power law
     degree: int = 2  # L of the polynomial
-    rescale: bool = True  # degree-l features scaled by rms(y)^(1-l) (overflow guard; no-op for l=1)
+    rescale: bool = False  # opt-in overflow guard: degree-l features times rms(y)^(1-l) per token (not
+    # Eqs. 16-18 for n1 != 1 or the polynomial; no-op for l = 1). Checkpoints without the key were
+    # trained with it on and load with it (attnlab.models.model_config_from_checkpoint).
     brain_weights: str = "uniform"  # "uniform" (1/N_B) or "learned" (softmax of logits, Eq. 19)
     variant: str = "unas"  # normalizer of each brain (paper: softmax = unas)
     iters: int = 1  # sinkhorn iterations when variant == "sinkhorn"
@@ -129,11 +170,16 @@ class GAMConfig:
             ("brain_weights", self.brain_weights in ("uniform", "learned"), "'uniform' or 'learned'"),
             ("combine", self.combine in ("linear", "geometric"), "'linear' or 'geometric'"),
             ("n_brains", self.n_brains >= 1, ">= 1"),
-            ("power", self.power > 0, "> 0"),
-            ("degree", self.degree >= 1, ">= 1"),
+            ("power", isinstance(self.power, (int, float)) and not isinstance(self.power, bool)
+             and math.isfinite(self.power) and self.power > 0, "a finite number > 0"),
+            ("degree", isinstance(self.degree, int) and not isinstance(self.degree, bool)
+             and self.degree >= 1, "an integer >= 1"),
+            ("rescale", isinstance(self.rescale, bool), "True or False"),
+            ("max_len", isinstance(self.max_len, int) and self.max_len >= 1, "an integer >= 1"),
             ("rank", self.rank is None or self.rank >= 1, "None or >= 1"),
             ("c1", self.c1 is None or 0.0 < self.c1 < 1.0, "None (learned) or in (0, 1)"),
-            ("d_model", self.d_model % self.n_heads == 0, f"divisible by n_heads={self.n_heads}"),
+            ("d_model", isinstance(self.n_heads, int) and self.n_heads >= 1
+             and self.d_model % self.n_heads == 0, f"divisible by n_heads={self.n_heads} (an integer >= 1)"),
         ]
         for name, ok, expected in checks:
             if not ok:
@@ -216,12 +262,13 @@ class GAMAttention(nn.Module):
     def hybrid_weight(self) -> torch.Tensor | None:
         return None if self.hybrid is None else self.hybrid().flatten()
 
-    def position_embedding(self, positions: torch.Tensor) -> torch.Tensor:
+    def position_embedding(self, positions: torch.Tensor, check: bool = True) -> torch.Tensor:
         """p^a (Bt, T, M) from r^a = relative_positions(positions) (Eqs. 26-29).
 
         The map sees 1/r (1 on the diagonal, decaying with corpus distance), zero-padded to max_len.
+        ``check=False`` skips the distinct-positions check (positions known to be arange(T)).
         """
-        r = relative_positions(positions).to(self.position_map.weight.dtype)  # (Bt, T, T)
+        r = _relative_positions(positions, check=check).to(self.position_map.weight.dtype)  # (Bt, T, T)
         T = r.shape[-1]
         if T > self.config.max_len:
             raise ValueError(f"sequence length {T} exceeds GAMConfig.max_len={self.config.max_len}")
@@ -278,14 +325,22 @@ class GAMAttention(nn.Module):
         """x (B, T, M); mask bool broadcastable to (B, H, T, T); positions (B, T) or (T,) corpus
         positions for the relative-position branch (default arange(T))."""
         c = self.config
-        Bt, T, M = x.shape
+        Bt, T, M = _check_input(x, c.d_model)
+        mask = _check_mask(mask, Bt, self.n_heads, T)
+        _check_flag("causal", causal), _check_flag("return_weights", return_weights)
+        if positions is not None:
+            if not isinstance(positions, torch.Tensor) or tuple(positions.shape) not in ((T,), (Bt, T)):
+                seen = (tuple(positions.shape) if isinstance(positions, torch.Tensor)
+                        else type(positions).__name__)
+                raise ValueError(f"positions must be a tensor (T,) or (B, T) = ({Bt}, {T}), got {seen}")
         values = self.value(x).view(Bt, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, Dh)
         need_weights = return_weights or (c.relative_position and c.combine == "geometric")
         phi = self._branch(x, self.scores, self.brain_logits, values, mask, causal, need_weights)
         if c.relative_position:
-            if positions is None:
+            given = positions is not None
+            if not given:
                 positions = torch.arange(T, device=x.device)
-            p = self.position_embedding(positions.expand(Bt, T))  # (B, T, M)
+            p = self.position_embedding(positions.expand(Bt, T), check=given)  # (B, T, M)
             theta = self._branch(p, self.position_scores, self.position_brain_logits, values,
                                  mask, causal, need_weights)
             if c.combine == "linear":  # Eq. (20): c1 z + (1 - c1) pi^pos

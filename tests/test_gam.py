@@ -27,7 +27,7 @@ def _y(seed=1, B=2, T=4, M=6):
 @pytest.mark.parametrize("power", [1.0, 2.0, 3.0, 1.5, 0.5])
 @pytest.mark.parametrize("rank", [None, 2])
 def test_power_law_scores_equal_eq16(power, rank):
-    gam = _gam(f="power", power=power, rank=rank, n_brains=2, rescale=False)
+    gam = _gam(f="power", power=power, rank=rank, n_brains=2)  # the default: the paper's function
     y = _y()
     eps = gam.brain_scores(y)  # (B, H, N_B, T, T)
     B = gam.scores.matrix() * gam._scale  # (H, N_B, M, M)
@@ -44,7 +44,7 @@ def test_power_law_scores_equal_eq16(power, rank):
 
 @pytest.mark.parametrize("rank", [None, 3])
 def test_polynomial_scores_equal_eq16(rank):
-    gam = _gam(f="poly", degree=3, rank=rank, rescale=False)
+    gam = _gam(f="poly", degree=3, rank=rank)  # the default: the paper's function
     with torch.no_grad():
         gam.poly.copy_(torch.tensor([0.7, -0.2, 0.05], dtype=F64))  # A_l
     y = _y(2)
@@ -79,7 +79,7 @@ def test_gam_with_one_brain_power_one_low_rank_equals_standard_attention(variant
     gam = GAMAttention(GAMConfig(d_model=d, n_heads=H, rank=d // H, variant=variant, iters=2)).to(F64)
     Wq, Wk, Wv = mha.qkv.weight.split(d, dim=0)  # (d, d) each, rows = output features
     bq, bk, bv = mha.qkv.bias.split(d)
-    assert torch.allclose(bq, bq)  # q/k biases are removed below: GAM's B has no bias term
+    # q/k biases are removed below: GAM's B has no bias term
     with torch.no_grad():
         mha.qkv.bias[: 2 * d] = 0
         gam.scores.W_Q.copy_(Wq.T.reshape(d, H, d // H).permute(1, 0, 2)[:, None])  # (H, 1, M, d)
@@ -188,10 +188,11 @@ def test_learned_c1_and_gradients():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_high_powers_do_not_overflow(dtype):
+def test_high_powers_do_not_overflow_with_the_opt_in_guard(dtype):
     torch.manual_seed(0)
-    gam = GAMAttention(GAMConfig(d_model=8, n_heads=2, f="poly", degree=6, n_brains=2)).to(dtype)
-    gam_p = GAMAttention(GAMConfig(d_model=8, n_heads=2, f="power", power=7.0)).to(dtype)
+    cfg = GAMConfig(d_model=8, n_heads=2, f="poly", degree=6, n_brains=2, rescale=True)
+    gam = GAMAttention(cfg).to(dtype)
+    gam_p = GAMAttention(GAMConfig(d_model=8, n_heads=2, f="power", power=7.0, rescale=True)).to(dtype)
     y = (30 * torch.randn(2, 5, 8)).to(dtype)
     for g in (gam, gam_p):
         out, w = g(y, return_weights=True)
@@ -222,3 +223,106 @@ def test_gam_config_errors():
 def test_scale_default():
     assert math.isclose(_gam(rank=3)._scale, 1 / math.sqrt(3))
     assert math.isclose(_gam()._scale, 1 / math.sqrt(6))
+
+
+def test_rescale_is_opt_in_and_changes_scores_only_when_asked():
+    assert GAMConfig().rescale is False
+    y = _y(12)
+    paper = _gam(f="power", power=2.0).brain_scores(y)
+    guarded = _gam(f="power", power=2.0, rescale=True).brain_scores(y)
+    assert not torch.allclose(paper, guarded)  # the guard changes the function for n1 != 1
+    one = _gam(f="power", power=1.0).brain_scores(y)
+    torch.testing.assert_close(_gam(f="power", power=1.0, rescale=True).brain_scores(y), one)
+
+
+def test_checkpoint_configs_record_rescale_and_old_ones_load_with_it():
+    from attnlab.models import ModelConfig, model_config_from_checkpoint
+
+    base = {"kind": "encoder", "vocab_size": 16, "max_len": 8, "d_model": 8, "n_layers": 1, "n_heads": 2,
+            "gam": True, "gam_options": {"f": "power", "power": 2.0}}
+    new = ModelConfig.from_dict(base)
+    assert new.to_dict()["gam_options"]["rescale"] is False  # recorded in every new checkpoint
+    assert model_config_from_checkpoint(new.to_dict()).gam_config(0).rescale is False
+    old = model_config_from_checkpoint(base)  # written before the default changed: no key
+    assert old.gam_config(0).rescale is True and old.to_dict()["gam_options"]["rescale"] is True
+    no_gam = model_config_from_checkpoint({**base, "gam": False, "gam_options": {}})
+    assert "rescale" not in no_gam.gam_options
+
+
+def test_shipped_gam_checkpoint_loads_with_its_training_behaviour():
+    from pathlib import Path
+
+    from attnlab import models
+
+    run = Path(__file__).resolve().parents[1] / "checkpoints" / "enc-gam"
+    if not (run / "latest.json").is_file():
+        pytest.skip("checkpoints/enc-gam is not in this checkout")
+    model = models.load(run)
+    layers = [b.attn for b in model.blocks if b.is_gam]
+    assert layers and all(a.config.rescale is True for a in layers)  # trained before the default changed
+    assert all(a.config.f == "power" and a.config.power == 1.0 for a in layers)  # where rescale is a no-op
+
+
+def test_relative_positions_refuses_duplicates_and_overflow():
+    with pytest.raises(ValueError, match="positions must be distinct.*position 3 twice"):
+        attnlab.relative_positions(torch.tensor([0, 3, 3]))
+    with pytest.raises(ValueError, match="positions must be distinct"):
+        attnlab.relative_positions(torch.tensor([[0, 1], [2, 2]]))
+    big = torch.tensor([torch.iinfo(torch.int64).min, torch.iinfo(torch.int64).max])
+    with pytest.raises(ValueError, match="positions must span"):
+        attnlab.relative_positions(big)
+    with pytest.raises(ValueError, match="positions must be an integer"):
+        attnlab.relative_positions(torch.tensor([0.0, 1.0]))
+    with pytest.raises(ValueError, match="positions"):
+        attnlab.relative_positions([0, 2**70])
+    widest = attnlab.relative_positions(torch.tensor([2**62, -(2**62) + 2]))  # span 2**63 - 2: r fits
+    assert widest.tolist() == [[1, 2**63 - 1], [2**63 - 1, 1]]
+    assert attnlab.relative_positions(torch.zeros(0, dtype=torch.long)).shape == (0, 0)
+    gam = _gam(relative_position=True, max_len=8)
+    with pytest.raises(ValueError, match="positions must be distinct"):
+        gam(_y(13, T=3), positions=torch.tensor([0, 1, 1]))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (torch.zeros(4, 6, dtype=F64), r"x must have shape \(B, T, d_model=6\), got \(4, 6\)"),
+    (torch.zeros(1, 4, 5, dtype=F64), r"x must have shape \(B, T, d_model=6\)"),
+    (torch.zeros(1, 4, 6, dtype=torch.long), "x must be a floating-point tensor"),
+    ([[0.0] * 6], "x must be a floating-point tensor"),
+])
+def test_modules_refuse_bad_inputs_with_worded_errors(bad, match):
+    gam = _gam()
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(AttentionConfig(d_model=6, n_heads=2)).to(F64)
+    for module in (gam, mha):
+        with pytest.raises(ValueError, match=match):
+            module(bad)
+    x = _y(14, B=1, T=4)
+    for module in (gam, mha):
+        with pytest.raises(ValueError, match="mask must broadcast"):
+            module(x, mask=torch.ones(3, dtype=torch.bool))
+        with pytest.raises(ValueError, match="mask must be a boolean"):
+            module(x, mask=torch.ones(4))
+        keys = torch.tensor([True, True, False, True])
+        out = module(x, mask=keys)  # a key-only (T,) mask
+        torch.testing.assert_close(out, module(x, mask=keys[None, None, None]))
+
+
+def test_resume_keeps_the_checkpoints_rescale(tmp_path):
+    import json
+
+    from attnlab.models import ModelConfig
+    from attnlab.train.trainer import _with_checkpoint_rescale
+
+    model = {"kind": "encoder", "vocab_size": 16, "max_len": 8, "d_model": 8, "n_layers": 1, "n_heads": 2,
+             "gam": True, "gam_options": {"f": "power", "power": 2.0}}
+    step = tmp_path / "step-00000001"
+    step.mkdir()
+    (step / "config.json").write_text(json.dumps({"format": "attnlab-checkpoint/1", "model": model}))
+    (step / "model.safetensors").write_bytes(b"")
+    recipe = ModelConfig.from_dict(model)  # the recipe has no rescale: today's default, off
+    assert recipe.gam_options["rescale"] is False
+    resumed = _with_checkpoint_rescale(recipe, step)  # the old checkpoint was trained with it on
+    assert resumed.gam_config(0).rescale is True
+    model["gam_options"]["rescale"] = False
+    (step / "config.json").write_text(json.dumps({"format": "attnlab-checkpoint/1", "model": model}))
+    assert _with_checkpoint_rescale(recipe, step) is recipe

@@ -451,7 +451,7 @@ def test_tidy_table_agrees_with_the_public_functions(n_valid):
 def test_tidy_table_blocked_path_matches_single_block(monkeypatch):
     ws = variant_weights(2, 3, 16, seed=6)
     whole = stats.tidy_table(ws)
-    monkeypatch.setattr(stats, "CHUNK_BYTES", 16 * 4 * 3)  # blocks of 3 rows: exercises row blocking
+    monkeypatch.setattr(stats.engine, "CHUNK_BYTES", 16 * 4 * 3)  # blocks of 3 rows: exercises row blocking
     blocked = stats.tidy_table(ws)
     pd.testing.assert_frame_equal(whole, blocked, check_exact=False, atol=1e-6)
 
@@ -503,3 +503,25 @@ def test_aggregate_windows_mean_std_and_weights():
     assert counts["special_mass"] == 1 and counts["gini"] == 2
     with pytest.raises(ValueError, match="empty"):
         stats.aggregate_windows([])
+
+
+@pytest.mark.parametrize("shape", [(4,), (1, 4), (2, 1, 1, 4), (3, 1), (2, 1, 3, 1)])
+def test_broadcast_masks_count_every_row_and_key(shape):
+    """A mask that broadcasts over rows (key-only (N,), key padding (B, 1, 1, N)) or keys (M, 1) gives
+    the statistics of the same mask expanded to the weights' shape (before: IndexError for (N,), and
+    row means divided by 1 instead of M_valid)."""
+    w = softmax_weights(2, 2, 3, 4, seed=7, dtype=torch.float64)
+    mask = torch.rand(shape, generator=torch.Generator().manual_seed(1)) < 0.6
+    full = mask.expand(w.shape)
+    fns = (stats.row_entropy, stats.mean_attention_distance, stats.column_mass, stats.relative_column_mass)
+    for fn in fns:
+        torch.testing.assert_close(fn(w, mask), fn(w, full))
+    ea = stats.explained_away_fraction
+    torch.testing.assert_close(ea(w, 0.5, mask), ea(w, 0.5, full))
+    a, b = stats.doubly_stochastic_deviation(w, mask), stats.doubly_stochastic_deviation(w, full)
+    torch.testing.assert_close((a.column_max, a.column_mean, a.row_max),
+                               (b.column_max, b.column_mean, b.row_max))
+    rows = full.any(-1)  # literal mean over valid rows of the per-row entropies
+    h = -(torch.where(full, w, 0.0) * w.log()).sum(-1)
+    want = torch.where(rows, h, 0.0).sum(-1) / rows.sum(-1).clamp_min(1)
+    torch.testing.assert_close(stats.row_entropy(w, mask), want)

@@ -272,6 +272,17 @@ def _prepare_run_dir(run_dir: Path, config: RunConfig, resume: bool, is_main: bo
     return latest
 
 
+def _with_checkpoint_rescale(model_cfg, step_dir: Path):
+    """``model_cfg`` with GAMConfig.rescale as recorded in (or implied by) the checkpoint in step_dir."""
+    from attnlab.models import load_config, model_config_from_checkpoint
+
+    saved = model_config_from_checkpoint(load_config(step_dir)["model"]).gam_options.get("rescale")
+    if saved is None or model_cfg.gam_options.get("rescale") == saved:
+        return model_cfg
+    return type(model_cfg).from_dict({**model_cfg.to_dict(),
+                                      "gam_options": {**model_cfg.gam_options, "rescale": saved}})
+
+
 def train(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = False, device: str | None = None,
           progress: bool = True, text: str | None = None, stop_after: int | None = None) -> TrainResult:
     """Train ``config`` into ``run_dir`` (see attnlab.train.checkpoint for the layout).
@@ -312,6 +323,8 @@ def train(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = False
             state = None
             tokenizer = build_tokenizer(dc.tokenizer, corpus, dc.vocab_size)
         model_cfg = config.model_config(tokenizer.vocab_size)
+        if latest is not None:  # GAM's overflow guard as the checkpoint was trained (old ones: on)
+            model_cfg = _with_checkpoint_rescale(model_cfg, step_dir)
         ids = torch.tensor(tokenizer.encode_corpus(corpus), dtype=torch.long)
         data = LMData(ids, seq_len=dc.seq_len, kind=model_cfg.kind, vocab_size=tokenizer.vocab_size,
                       mask_prob=dc.mask_prob, seed=tc.seed)
