@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import attnlab.models
+import attnlab.checkpoint_io
 from attnlab.data import default_corpus
 from attnlab.models import load, load_config
 from attnlab.train import (
@@ -136,7 +136,7 @@ def test_full_disk_keeps_last_good_checkpoint(tmp_path, text, monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device")
         f.write(data)
 
-    monkeypatch.setattr(attnlab.models, "_write_file", disk_full)
+    monkeypatch.setattr(attnlab.checkpoint_io, "_write_file", disk_full)
     with pytest.raises(CheckpointError, match=r"step 8 .*No space left.*step 4\) is intact"):
         train(tiny_config(), run, text=text, progress=False, resume=True)
     monkeypatch.undo()
