@@ -611,6 +611,10 @@ def batch_weights(
     """
     loaded = model_on(model, device)
     variants = check_arguments(variants, mode, u, iters)
+    from attnlab.hf.native import NativeModel, native_weights
+
+    if isinstance(loaded, NativeModel):  # attnlab's own checkpoint: its own capture
+        return native_weights(loaded, input_ids, attention_mask, variants, mode, u, iters)[0]
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be (B, N), got shape {tuple(input_ids.shape)}")
     attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
