@@ -306,6 +306,7 @@ def _wait(at: AppTest, done, timeout: float = 120.0) -> AppTest:
     raise AssertionError(f"timed out; page says: {messages(at)}")
 
 
+@pytest.mark.slow
 def test_train_page_runs_a_model_in_the_background(app_env):
     at = open_page("train")
     assert "No runs yet" in messages(at)
@@ -328,6 +329,7 @@ def test_train_page_runs_a_model_in_the_background(app_env):
     assert "not a text file" in messages(again) and not again.exception
 
 
+@pytest.mark.slow
 def test_runs_stop_and_resume(app_env):
     import sys
 
