@@ -248,3 +248,32 @@ def test_data_flows_one_way_between_data_models_and_checkpoint_io():
     from attnlab.checkpoint_io import atomic_write_json, resolve_checkpoint
 
     assert models.atomic_write_json is atomic_write_json and models.resolve_checkpoint is resolve_checkpoint
+
+
+@pytest.mark.parametrize("name", ["enc-hnas", "enc-gam"])
+def test_exported_figure_of_a_native_checkpoint_is_reproduced_by_its_command(name, tmp_path, monkeypatch):
+    """An exported figure's manifest (as the app writes it) names an ``attnlab analyze`` command that
+    reloads the native checkpoint; reproduce_figure gives the same numbers (learned u included)."""
+    import shlex
+
+    from attnlab.figures import app_views as av
+
+    result = hf.analyze(TEXT, CKPT / name, variants=("unas", "hnas"))
+    u = result.u.tolist() if isinstance(result.u, torch.Tensor) else result.u
+    settings = {"variants": ["unas", "hnas"], "mode": "recompute", "u": u, "iters": 3,
+                "window": result.windowing.window}
+    source = {"label": name, "model": result.model.as_dict(), "settings": settings}
+    params = {"variant": "hnas", "layer": 1, "head": 2}
+    manifest = av.manifest("heatmap", params, [source], text_sha256=result.text_sha256,
+                           characters=len(TEXT), window=0)
+    command = shlex.split(manifest["reproduce"]["commands"][0])
+    assert command[command.index("--model") + 1] == str(CKPT / name)
+    assert ("--u" in command) == (name == "enc-gam")  # a learned u is the command's default
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "text.txt").write_text(TEXT, encoding="utf-8")
+    assert main(command[1:] + ["--quiet"]) == 0
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    again = av.reproduce_figure("manifest.json", ["attnlab-out"])
+    shown = av.build("heatmap", {v: w.numpy() for v, w in result.weights.items()}, result.tokens, params)
+    np.testing.assert_allclose(np.asarray(again.figure.data[0].z, dtype=float),
+                               np.asarray(shown.figure.data[0].z, dtype=float), atol=1e-6)
