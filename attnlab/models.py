@@ -215,13 +215,15 @@ class TransformerLM(nn.Module):
 
     def hybrid_weights(self) -> torch.Tensor:
         """u per layer and head, (L, H), detached: sigmoid(theta) for HNAS layers; the equivalent
-        mixing weight elsewhere: 0 for UNAS, 1 for DNAS (and Sinkhorn with iters=1), NaN for Sinkhorn
-        with more iterations (not a UNAS/DNAS mixture)."""
+        mixing weight elsewhere: 0 for UNAS, 1 for DNAS (and Sinkhorn with iters=1), NaN for every
+        other normalizer (Sinkhorn with more iterations, any other registered variant: not a
+        UNAS/DNAS mixture)."""
+        mixing = {"unas": 0.0, "dnas": 1.0, "sinkhorn": 1.0 if self.config.iters == 1 else math.nan}
         rows = []
         for block, variant in zip(self.blocks, self.config.layer_variants(), strict=True):
             u = block.attn.hybrid_weight()
             if u is None:
-                fill = {"unas": 0.0, "dnas": 1.0}.get(variant, 1.0 if self.config.iters == 1 else math.nan)
+                fill = mixing.get(variant, math.nan)
                 u = torch.full((self.config.n_heads,), fill)
             rows.append(u.detach().float().cpu())
         return torch.stack(rows)

@@ -197,6 +197,18 @@ def test_capture_removes_its_hooks_even_on_error():
         raise RuntimeError("boom")
     assert len(captured) == 4 and captured[0].x.shape == (1, 3, 128)
     assert all(not block.attn._forward_pre_hooks for block in model.blocks)
+    with capture_attention_inputs(model) as captured, torch.no_grad():
+        own = own_weights(model, torch.tensor([[2, 10, 11, 3]]))[:, 0]  # (L, H, 4, 4)
+        for layer, c in enumerate(captured):
+            q, k = c.query_key()  # (1, H, 4, D): the scores' q k^T / sqrt(D) give the layer's softmax
+            assert q.shape == k.shape == (1, 4, 4, 32) and c.causal is False and c.mask is None
+            torch.testing.assert_close(torch.softmax(q @ k.transpose(-1, -2) / 32**0.5, -1)[0], own[layer],
+                                       atol=1e-6, rtol=0)
+    gam = models.load(CKPT / "enc-gam")
+    with capture_attention_inputs(gam) as captured, torch.no_grad():
+        gam(torch.tensor([[2, 10, 3]]))
+    with pytest.raises(ValueError, match="GAM layer"):
+        captured[0].query_key()
 
 
 def test_broken_native_checkpoint_is_a_model_load_error(tmp_path):

@@ -229,6 +229,18 @@ class AttentionInputs:
     causal: bool  # j <= i
     positions: torch.Tensor | None  # (B, T) or (T,) corpus positions (GAM); None = arange(T)
 
+    def query_key(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q, k), each (B, H, T, D), of a standard attention layer, from its own ``qkv`` projection of
+        x; ValueError for a GAM layer (its scores are per brain: ``module.brain_scores(x)``)."""
+        from attnlab.modules import GAMAttention
+
+        m = self.module
+        if isinstance(m, GAMAttention):
+            raise ValueError("a GAM layer has no single query and key; use module.brain_scores(x)")
+        B, T, C = self.x.shape
+        q, k, _ = m.qkv(self.x).split(C, dim=-1)
+        return tuple(t.view(B, T, m.n_heads, m.head_dim).transpose(1, 2) for t in (q, k))
+
 
 @contextlib.contextmanager
 def capture_attention_inputs(model) -> Iterator[list[AttentionInputs]]:
@@ -265,11 +277,8 @@ def _normalize(scores, variant: str, c: AttentionInputs, u_heads, iters: int, re
 
 def _standard_layer(c: AttentionInputs, variant: str, u, iters: int) -> torch.Tensor:
     """(B, H, T, T) weights of a MultiHeadAttention layer: s = q k^T / sqrt(D) (Eq. 1's scores)."""
-    m = c.module
-    B, T, C = c.x.shape
-    q, k, _ = m.qkv(c.x).split(C, dim=-1)
-    q, k = (t.view(B, T, m.n_heads, m.head_dim).transpose(1, 2).float() for t in (q, k))  # (B, H, T, D)
-    scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(m.head_dim)  # (B, H, T, T)
+    q, k = (t.float() for t in c.query_key())  # (B, H, T, D)
+    scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.shape[-1])  # (B, H, T, T)
     return _normalize(scores, variant, c, u, iters)
 
 
