@@ -9,7 +9,7 @@ and figures as for a Hugging Face model.
     loaded = hf.load_model("checkpoints/enc-hnas")      # NativeModel (a LoadedModel)
     with capture_attention_inputs(loaded.model) as captured:
         loaded.model(input_ids)                        # captured[l]: what layer l's attention saw
-    weights, components = native_weights(loaded, input_ids, None, ("unas", "hnas"), "recompute", None, 3)
+    weights, components = native_weights(loaded, input_ids, None, ("unas", "hnas"), "recompute", {"iters": 3})
 
 Capture: a forward pre-hook on every block's attention module records its input x (B, T, C) (after
 the block's LayerNorm), mask, causal flag and positions; the context manager removes its hooks even on
@@ -23,8 +23,8 @@ error. Each variant's weights then come from that layer's own score function:
 
 Modes: ``recompute`` runs the checkpoint as trained once and computes every variant from the captured
 inputs; ``swap`` runs, per variant, the same weights with that variant in every layer (later layers
-see different inputs). HNAS uses the u per layer and head the checkpoint learned (``u=None``) or the
-given u. Shapes: weights and components (L, B, H, N, N).
+see different inputs). HNAS uses the u per layer and head the checkpoint learned (no ``u`` given) or
+the given u. Shapes: weights and components (L, B, H, N, N).
 """
 
 from __future__ import annotations
@@ -33,16 +33,17 @@ import contextlib
 import math
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from attnlab.hf.interface import DEFAULT_U
 from attnlab.hf.loading import LoadedModel, ModelInfo, ModelLoadError, resolve_device
 from attnlab.hf.native_tokenizer import NativeTokenizer
-from attnlab.normalizers import attention_weights
+from attnlab.normalizers import attention_weights, check_params
 
 __all__ = [
     "NativeModel",
@@ -209,42 +210,41 @@ def capture_attention_inputs(model) -> Iterator[list[AttentionInputs]]:
 # ----------------------------------------------------------------------------------------------
 
 
-def _normalize(scores, variant: str, c: AttentionInputs, u_heads, iters: int, repeat: int = 1):
-    """attention_weights of (B, H * repeat, T, T) scores with the layer's mask; u per head (H,) is
-    repeated for GAM's brains (head-major, as GAMAttention does)."""
-    u = u_heads
-    if isinstance(u, torch.Tensor):
-        u = u.to(scores).repeat_interleave(repeat).view(1, -1, 1, 1)
-    return attention_weights(scores, variant, mask=c.mask, causal=c.causal, u=u, iters=iters)
+def _normalize(scores, variant: str, c: AttentionInputs, params: dict, repeat: int = 1):
+    """attention_weights of (B, H * repeat, T, T) scores with the layer's mask and ``params``; a
+    per-head parameter (H,) is repeated for GAM's brains (head-major, as GAMAttention does)."""
+    kw = {k: v.to(scores).repeat_interleave(repeat).view(1, -1, 1, 1) if isinstance(v, torch.Tensor) else v
+          for k, v in params.items()}
+    return attention_weights(scores, variant, mask=c.mask, causal=c.causal, **kw)
 
 
-def _standard_layer(c: AttentionInputs, variant: str, u, iters: int) -> torch.Tensor:
+def _standard_layer(c: AttentionInputs, variant: str, params: dict) -> torch.Tensor:
     """(B, H, T, T) weights of a MultiHeadAttention layer: s = q k^T / sqrt(D) (Eq. 1's scores)."""
     q, k = (t.float() for t in c.query_key())  # (B, H, T, D)
     scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.shape[-1])  # (B, H, T, T)
-    return _normalize(scores, variant, c, u, iters)
+    return _normalize(scores, variant, c, params)
 
 
-def _gam_branch(scores, variant, c, u, iters, brain_w) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _gam_branch(scores, variant, c, params, brain_w) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """scores (B, H, N_B, T, T) -> (mixed map (B, H, T, T), per-brain maps [(B, H, T, T)] * N_B)."""
     B, H, NB, T, _ = scores.shape
-    psi = _normalize(scores.float().reshape(B, H * NB, T, T), variant, c, u, iters, NB).view(B, H, NB, T, T)
+    psi = _normalize(scores.float().reshape(B, H * NB, T, T), variant, c, params, NB).view(B, H, NB, T, T)
     mixed = torch.einsum("bhntx,n->bhtx", psi, brain_w.float())  # sum_b W_b Psi_b (Eqs. 14, 22)
     return mixed, list(psi.unbind(2))
 
 
-def _gam_layer(c: AttentionInputs, variant: str, u, iters: int) -> tuple[torch.Tensor, dict]:
+def _gam_layer(c: AttentionInputs, variant: str, params: dict) -> tuple[torch.Tensor, dict]:
     """(B, H, T, T) combined weights of a GAMAttention layer and its maps {phi, theta, brain_b,
     position_brain_b} (Eqs. 14-25 of the GAM paper)."""
     m, cfg = c.module, c.module.config
-    phi, brains = _gam_branch(m.brain_scores(c.x), variant, c, u, iters, m.brain_weights())
+    phi, brains = _gam_branch(m.brain_scores(c.x), variant, c, params, m.brain_weights())
     parts = {"phi": phi, **{f"brain_{b}": p for b, p in enumerate(brains)}}
     if not cfg.relative_position:
         return phi, parts
     B, T, _ = c.x.shape
     positions = torch.arange(T, device=c.x.device) if c.positions is None else c.positions
     p = m.position_embedding(positions.expand(B, T))  # (B, T, M)
-    theta, pos_brains = _gam_branch(m.brain_scores(p, positional=True), variant, c, u, iters,
+    theta, pos_brains = _gam_branch(m.brain_scores(p, positional=True), variant, c, params,
                                     m.brain_weights(m.position_brain_logits))
     parts.update(theta=theta, **{f"position_brain_{b}": t for b, t in enumerate(pos_brains)})
     if cfg.combine == "linear":  # Eq. (20): c1 Phi + (1 - c1) Theta
@@ -256,12 +256,12 @@ def _gam_layer(c: AttentionInputs, variant: str, u, iters: int) -> tuple[torch.T
     return combined, parts
 
 
-def _layer_weights(c: AttentionInputs, variant: str, u, iters: int) -> tuple[torch.Tensor, dict]:
+def _layer_weights(c: AttentionInputs, variant: str, params: dict) -> tuple[torch.Tensor, dict]:
     from attnlab.modules import GAMAttention
 
     if isinstance(c.module, GAMAttention):
-        return _gam_layer(c, variant, u, iters)
-    return _standard_layer(c, variant, u, iters), {}
+        return _gam_layer(c, variant, params)
+    return _standard_layer(c, variant, params), {}
 
 
 def _swapped_model(loaded: NativeModel, variant: str, u, iters: int):
@@ -303,16 +303,17 @@ def native_weights(
     attention_mask: torch.Tensor | None,
     variants: Sequence[str],
     mode: str,
-    u,
-    iters: int,
+    params: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
     """Weights of every variant for a (padded) batch of a native checkpoint.
 
-    input_ids, attention_mask: (B, N) (mask: 1 = real token; default all ones). u: None (the learned u
-    of the checkpoint's HNAS layers, 0.5 elsewhere), a float, or a tensor broadcastable to (L, H).
+    input_ids, attention_mask: (B, N) (mask: 1 = real token; default all ones). ``params``: the variant
+    parameters given (checked, e.g. by ``hf.weights.check_arguments``; the specs' defaults fill the
+    rest); a tensor is per layer and head, broadcastable to (L, H). Without ``u`` HNAS uses the u the
+    checkpoint's HNAS layers learned (0.5 in its other layers).
     Returns ({variant: (L, B, H, N, N)}, {variant: {map: (L, B, H, N, N)}} for GAM layers: "phi",
     "theta", "brain_<b>", "position_brain_<b>"; NaN in layers without that map), float32 on the CPU.
-    Rows and columns of padded tokens are zero; valid rows sum to 1.
+    Rows and columns of padded tokens are zero.
     """
     info = loaded.info
     if input_ids.dim() != 2:
@@ -321,36 +322,53 @@ def native_weights(
         raise ValueError(
             f"input_ids has {input_ids.shape[1]} tokens; {info.name} takes at most {info.max_length}"
         )
+    vocab = loaded.model.config.vocab_size
+    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
+        raise ValueError(f"input_ids must be token ids in [0, {vocab - 1}] for {info.name}, "
+                         f"got values in [{int(input_ids.min())}, {int(input_ids.max())}]")
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     if mask.shape != input_ids.shape:
         raise ValueError(
             f"attention_mask must match input_ids {tuple(input_ids.shape)}, got {tuple(mask.shape)}"
         )
-    if u is None:
-        u = learned_u(loaded)
-        u = DEFAULT_U if u is None else u
-    u = _u_table(u, info.n_layers, info.n_heads)
-    iters = 1 if info.causal else iters  # causal Sinkhorn degenerates for iters > 1 (DESIGN.md §2)
+    params = dict(params or {})
+    if params.get("u") is None:
+        learned = learned_u(loaded)
+        params.pop("u", None)
+        if learned is not None:
+            params["u"] = learned
+    tables = {k: _u_table(v, info.n_layers, info.n_heads) for k, v in params.items()
+              if isinstance(v, torch.Tensor)}  # (L, H) per layer and head
     dev = loaded.device
     ids, mask = input_ids.to(dev), mask.to(dev)
     weights: dict[str, list] = {v: [] for v in variants}
     parts: dict[str, list[dict]] = {v: [] for v in variants}
     with loaded.lock, torch.no_grad():
-        runs = [(loaded.model, tuple(variants))] if mode == "recompute" else [
-            (_swapped_model(loaded, v, u, iters), (v,)) for v in variants]
+        if mode == "recompute":
+            runs = [(loaded.model, tuple(variants))]
+        else:
+            u = tables.get("u", params.get("u", check_params("hnas", {})["u"]))
+            runs = [(_swapped_model(loaded, v, u, _rounds(v, params, info.causal, loaded)), (v,))
+                    for v in variants]
         for model, names in runs:
             with capture_attention_inputs(model) as captured:
                 model(ids, attention_mask=mask)
-            valid = mask.bool()
+            keep = mask.bool()[:, None, :, None]  # padded queries: rows of zeros
             for v in names:
                 for layer, c in enumerate(captured):
-                    ul = u if isinstance(u, float) else u[layer].to(dev)
-                    w, p = _layer_weights(c, v, ul, iters)
-                    keep = valid[:, None, :, None]  # padded queries: rows of zeros
+                    p_l = {**params, **{k: t[layer].to(dev) for k, t in tables.items()}}
+                    w, p = _layer_weights(c, v, p_l)
                     weights[v].append(w.float() * keep)
                     parts[v].append({name: t.float() * keep for name, t in p.items()})
     out = {v: torch.stack(ws).cpu() for v, ws in weights.items()}  # (L, B, H, N, N)
     return out, {v: _stack_parts(parts[v], out[v]) for v in variants}
+
+
+def _rounds(variant: str, params: dict, causal: bool, loaded: NativeModel) -> int:
+    """ModelConfig.iters of the swapped-in model: Sinkhorn's rounds (its causal rule applied)."""
+    if variant != "sinkhorn":
+        return loaded.model.config.iters
+    return check_params("sinkhorn", {"iters": params.get("iters")}, causal=causal)["iters"]
 
 
 def _stack_parts(per_layer: list[dict], like: torch.Tensor) -> dict[str, torch.Tensor]:
