@@ -213,6 +213,10 @@ class TransformerLM(nn.Module):
     def causal(self) -> bool:
         return self.config.kind == "decoder"
 
+    def get_input_embeddings(self) -> nn.Embedding:
+        """The token embedding (transformers' name: callers check token ids against its size)."""
+        return self.tok_emb
+
     def hybrid_weights(self) -> torch.Tensor:
         """u per layer and head, (L, H), detached: sigmoid(theta) for HNAS layers; the equivalent
         mixing weight elsewhere: 0 for UNAS, 1 for DNAS (and Sinkhorn with iters=1), NaN for every

@@ -155,6 +155,10 @@ def test_padded_batch_gives_each_text_its_own_weights():
         torch.testing.assert_close(batch[v][:, 0], a.weights[v], atol=1e-5, rtol=0)
         torch.testing.assert_close(batch[v][:, 1, :, :n, :n], b.weights[v], atol=1e-5, rtol=0)
         assert batch[v][:, 1, :, n:].abs().max() == 0 and batch[v][:, 1, :, :, n:].abs().max() == 0
+    with pytest.raises(ValueError, match=r"token ids in \[0, 4095\]"):  # the same checks as for HF models
+        hf.batch_weights(loaded, torch.tensor([[2, 4096, 3]]))
+    with pytest.raises(ValueError, match="attention_mask must match"):
+        hf.batch_weights(loaded, ids, mask[:, :3])
 
 
 def test_windows_of_a_long_text_and_one_window_alone():

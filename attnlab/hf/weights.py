@@ -645,10 +645,6 @@ def batch_weights(
             or input_ids.is_floating_point() or input_ids.is_complex():
         seen = f"dtype {input_ids.dtype}" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise ValueError(f"input_ids must be an integer tensor (B, N), got {seen}")
-    from attnlab.hf.native import NativeModel, native_weights
-
-    if isinstance(loaded, NativeModel):  # attnlab's own checkpoint: its own capture
-        return native_weights(loaded, input_ids, attention_mask, variants, mode, given)[0]
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be (B, N), got shape {tuple(input_ids.shape)}")
     if input_ids.numel() == 0:
@@ -663,6 +659,10 @@ def batch_weights(
         raise ValueError(
             f"attention_mask must match input_ids {tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}"
         )
+    from attnlab.hf.native import NativeModel, native_weights
+
+    if isinstance(loaded, NativeModel):  # attnlab's own checkpoint: its own capture
+        return native_weights(loaded, input_ids, attention_mask, variants, mode, given)[0]
     run = _recompute if mode == "recompute" else _swap
     dev = loaded.device
     with loaded.lock, torch.no_grad():
