@@ -295,3 +295,28 @@ def test_exported_figure_of_a_native_checkpoint_is_reproduced_by_its_command(nam
     shown = av.build("heatmap", {v: w.numpy() for v, w in result.weights.items()}, result.tokens, params)
     np.testing.assert_allclose(np.asarray(again.figure.data[0].z, dtype=float),
                                np.asarray(shown.figure.data[0].z, dtype=float), atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", list(attnlab.VARIANTS))
+def test_every_registered_variant_on_native_checkpoints(variant):
+    """Any registered variant, in both modes, on a standard and on the GAM checkpoint: the weights are
+    that variant applied to the layer's own scores (recompute), rows as its spec promises."""
+    spec = attnlab.variant_spec(variant)
+    result = hf.analyze(TEXT, CKPT / "enc-unas", variants=(variant,))
+    model = models.load(CKPT / "enc-unas")
+    ids = torch.tensor([result.windows[0].window.input_ids])
+    with capture_attention_inputs(model) as captured, torch.no_grad():
+        model(ids)
+        for layer, c in enumerate(captured):
+            q, k = c.query_key()
+            ref = attnlab.attention_weights(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, variant)[0]
+            torch.testing.assert_close(result.weights[variant][layer], ref, atol=1e-6, rtol=0)
+    rows = result.weights[variant].sum(-1)
+    if spec.rows_sum_to_one:
+        torch.testing.assert_close(rows, torch.ones_like(rows), atol=1e-5, rtol=0)
+    else:
+        assert (rows <= 1 + 1e-6).all()
+    swapped_result = hf.analyze(TEXT, CKPT / "enc-unas", variants=(variant,), mode="swap")
+    assert swapped_result.weights[variant].shape == result.weights[variant].shape
+    gam = hf.analyze(TEXT, CKPT / "enc-gam", variants=(variant,))
+    assert {"phi", "theta"} <= set(gam.components[variant])
