@@ -7,7 +7,8 @@ Outputs (all in ``--out``, which appears only when everything is written; see do
     summary.csv/.json  the same aggregated over windows (mean, std, n_windows)
     tokens.json        per window: tokens, word ids, special/punctuation flags, character spans
     weights.npz        (single-window texts, or --weights all: weights/window_0000.npz ...)
-                       one (L, H, N, N) float32 array per variant, plus tokens
+                       one (L, H, N, N) float32 array per variant, plus tokens (GAM checkpoints:
+                       also "<variant>.phi", "<variant>.theta", "<variant>.brain_<b>" ...)
     figures/           HTML always (+ plotly.min.js); PNG/SVG/PDF when Chromium is available (else a note)
 
 Bad input (missing, empty, binary, non-UTF-8 or oversized file; a directory that is not a model) ends
@@ -49,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model",
         metavar="DIR",
         default=None,
-        help="local model directory written by save_pretrained (default: the embedded MiniLM-L6)",
+        help="local model directory written by save_pretrained, or a native attnlab checkpoint (a run or "
+        "step directory of `attnlab train`, e.g. checkpoints/enc-hnas) (default: the embedded MiniLM-L6)",
     )
     add_variant_arguments(parser)  # --variants and --u, --iters, --tol, ... from the registry
     add(
@@ -307,6 +309,8 @@ def _write_all(args, stream, tmp: Path, formats) -> tuple[list[str], list[str]]:
             if save != "none":
                 name = "weights.npz" if save == "single" else f"weights/window_{w.index:04d}.npz"
                 arrays = {v: t.numpy() for v, t in result.weights.items()}
+                arrays.update({f"{v}.{name}": t.numpy() for v, maps in result.components.items()
+                               for name, t in maps.items()})  # a GAM checkpoint's phi, theta, brains
                 np.savez(tmp / name, tokens=np.array(w.tokens), special=w.special, **arrays)
                 written.append(name)
             if i == 0:
@@ -353,6 +357,12 @@ def _figures(result, summary, stream) -> dict:
     out[f"heatmap_{first}_layer0_head0"] = figures.attention_heatmap(
         result.weights[first][0, 0], result.tokens, title=f"{first}: layer 0, head 0 (window 0)"
     )
+    for name in ("phi", "theta"):  # a GAM checkpoint's content and relative-position maps
+        maps = result.components.get(first, {})
+        if name in maps:
+            out[f"heatmap_{first}_{name}_layer0_head0"] = figures.attention_heatmap(
+                maps[name][0, 0], result.tokens, title=f"{first}: GAM {name}, layer 0, head 0 (window 0)"
+            )
     return out
 
 

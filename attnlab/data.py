@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from attnlab.checkpoint_io import atomic_write_bytes, resolve_checkpoint
+
 __all__ = [
     "SPECIAL_TOKENS",
     "IGNORE_INDEX",
@@ -280,8 +282,6 @@ class WordPieceTokenizer(_TokenizerBase):
 
     def save(self, directory: str | os.PathLike) -> dict:
         """Writes ``vocab.txt`` (BERT format) into ``directory``; returns the config entry."""
-        from attnlab.models import atomic_write_bytes
-
         atomic_write_bytes(Path(directory) / "vocab.txt", ("\n".join(self.vocab) + "\n").encode("utf-8"))
         return {"kind": self.kind, "vocab_file": "vocab.txt"}
 
@@ -299,8 +299,6 @@ def build_tokenizer(kind: str, text: str, vocab_size: int = 4096) -> Tokenizer:
 
 def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
     """The tokenizer of a checkpoint directory (a run directory or one of its step directories)."""
-    from attnlab.models import resolve_checkpoint
-
     step_dir = resolve_checkpoint(directory)
     config = json.loads((step_dir / "config.json").read_text())
     entry = config.get("tokenizer") or {"kind": "byte"}

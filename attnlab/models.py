@@ -8,6 +8,9 @@ GPT-like decoder (causal LM), plus the one-layer model of the multi-view task.
     save(model, "runs/x/step-000100")              # config.json + model.safetensors (atomic)
     model = load("runs/x")                         # follows runs/x/latest.json
 
+The checkpoint files themselves (atomic writes, layout, safetensors + JSON) are
+``attnlab.checkpoint_io``'s; its names are re-exported here for older imports.
+
 Blocks are pre-LayerNorm (x + attn(ln(x)); x + mlp(ln(x))) over ``attnlab.modules.MultiHeadAttention`` or
 ``GAMAttention``. Token embeddings are tied to the output layer. Checkpoints are safetensors + JSON;
 nothing is ever unpickled.
@@ -15,20 +18,29 @@ nothing is ever unpickled.
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors import SafetensorError
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
+from attnlab.checkpoint_io import (  # noqa: F401 -- re-exported: the names' old home
+    CHECKPOINT_FORMAT,
+    CONFIG_FILE,
+    LATEST_FILE,
+    WEIGHTS_FILE,
+    atomic_write_bytes,
+    atomic_write_json,
+    checked_step_name,
+    fsync_dir,
+    load_config,
+    read_checkpoint,
+    resolve_checkpoint,
+    write_checkpoint,
+)
 from attnlab.data import IGNORE_INDEX
 from attnlab.modules import AttentionConfig, GAMAttention, GAMConfig, MultiHeadAttention
 from attnlab.normalizers import VARIANTS
@@ -48,12 +60,6 @@ __all__ = [
     "atomic_write_json",
     "CHECKPOINT_FORMAT",
 ]
-
-CHECKPOINT_FORMAT = "attnlab-checkpoint/1"
-WEIGHTS_FILE = "model.safetensors"
-CONFIG_FILE = "config.json"
-LATEST_FILE = "latest.json"
-
 
 # ----------------------------------------------------------------------------------------------
 # Configuration
@@ -228,6 +234,10 @@ class TransformerLM(nn.Module):
     def causal(self) -> bool:
         return self.config.kind == "decoder"
 
+    def get_input_embeddings(self) -> nn.Embedding:
+        """The token embedding (transformers' name: callers check token ids against its size)."""
+        return self.tok_emb
+
     def hybrid_weights(self) -> torch.Tensor:
         """u per layer and head, (L, H), detached: sigmoid(theta) for HNAS layers; the equivalent
         mixing weight elsewhere: 0 for UNAS, 1 for DNAS (and Sinkhorn with iters=1), NaN for every
@@ -326,110 +336,22 @@ class MultiViewModel(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------
-# Files: atomic writes, save, load
+# Checkpoints (the files themselves: attnlab.checkpoint_io)
 # ----------------------------------------------------------------------------------------------
-
-
-def fsync_dir(path: str | os.PathLike) -> None:
-    """fsync a directory so that renames inside it survive a crash (no-op where unsupported)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_file(f, data: bytes) -> None:
-    """The one place bytes reach a checkpoint file (tests patch it to simulate a full disk)."""
-    f.write(data)
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that a crash leaves either the old file or the new one:
-    temporary file in the same directory, fsync, ``os.replace``, fsync of the directory."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            _write_file(f, data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    fsync_dir(path.parent)
-
-
-def atomic_write_json(path: str | os.PathLike, obj) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8"))
-
-
-def checked_step_name(name, source: str | os.PathLike = LATEST_FILE) -> str:
-    """``name`` when it is a plain directory name (a ``latest.json`` pointer), else ValueError: a pointer
-    such as ``../../etc`` must not lead a load outside the run directory."""
-    if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name
-            or "\0" in name):
-        raise ValueError(f"{source} points at {name!r}, which is not a step directory name")
-    return name
-
-
-def resolve_checkpoint(directory: str | os.PathLike) -> Path:
-    """The directory holding ``config.json`` + ``model.safetensors``: ``directory`` itself, or the step
-    directory named by its ``latest.json`` (a training run)."""
-    d = Path(directory)
-    if (d / LATEST_FILE).is_file():
-        latest = json.loads((d / LATEST_FILE).read_text())
-        return d / checked_step_name(latest.get("dir") if isinstance(latest, dict) else None, d / LATEST_FILE)
-    if (d / WEIGHTS_FILE).is_file() and (d / CONFIG_FILE).is_file():
-        return d
-    if not d.is_dir():
-        raise FileNotFoundError(f"checkpoint directory {str(d)!r} does not exist")
-    raise FileNotFoundError(
-        f"{str(d)!r} holds no checkpoint (expected {LATEST_FILE}, or {CONFIG_FILE} + {WEIGHTS_FILE})"
-    )
-
-
-def load_config(directory: str | os.PathLike) -> dict:
-    """The full ``config.json`` of a checkpoint (model, data, train, tokenizer, step)."""
-    return json.loads((resolve_checkpoint(directory) / CONFIG_FILE).read_text())
 
 
 def save(model: TransformerLM, directory: str | os.PathLike, extra_config: dict | None = None,
          metadata: dict | None = None) -> Path:
     """Write ``config.json`` (``{"format", "model": ModelConfig, **extra_config}``) and
     ``model.safetensors`` into ``directory`` (created), each atomically."""
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    meta = {k: str(v) for k, v in (metadata or {}).items()}
-    atomic_write_bytes(d / WEIGHTS_FILE, st_save(tensors, metadata={"format": "pt", **meta}))
-    atomic_write_json(d / CONFIG_FILE, {"format": CHECKPOINT_FORMAT, **(extra_config or {}),
-                                        "model": model.config.to_dict()})
-    return d
+    config = {**(extra_config or {}), "model": model.config.to_dict()}
+    return write_checkpoint(directory, model.state_dict(), config, metadata)
 
 
 def load(directory: str | os.PathLike, device: str | torch.device = "cpu") -> TransformerLM:
     """Rebuild a model from a checkpoint directory (a run directory or a step directory), in eval
     mode. Reads JSON and safetensors only."""
-    step_dir = resolve_checkpoint(directory)
-    config = json.loads((step_dir / CONFIG_FILE).read_text())
-    if config.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(
-            f"{step_dir / CONFIG_FILE} is not an attnlab checkpoint (format {config.get('format')!r})"
-        )
-    model = TransformerLM(model_config_from_checkpoint(config["model"]))
-    try:
-        state = st_load((step_dir / WEIGHTS_FILE).read_bytes())
-    except SafetensorError as e:  # truncated or not a safetensors file; a plain Exception subclass
-        raise ValueError(f"{step_dir / WEIGHTS_FILE} is not a valid safetensors file ({e})") from None
+    config, state, _ = read_checkpoint(directory)
+    model = TransformerLM(model_config_from_checkpoint(config["model"]))  # old configs: old GAM default
     model.load_state_dict(state, strict=True)
     return model.to(device).eval()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pytest
 import torch
 from conftest import CORPUS
 
@@ -224,6 +225,7 @@ def test_overwrite_replaces_the_output_directory(tmp_path, capsys, minilm):
     assert _leftovers(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_command_line_process_prints_no_traceback(tmp_path):
     src = tmp_path / "empty.txt"
     src.write_text("   ")

@@ -172,9 +172,31 @@ def test_inspect_shipped_checkpoint(app_env):
         pytest.skip("no shipped checkpoints in checkpoints/")
     at.selectbox(key="inspect_model").set_value(native[0]).run()
     assert not at.exception, [e.message for e in at.exception]
-    assert "inspect_heatmap" in charts(at) and "native attnlab checkpoint" in " ".join(
-        c.value for c in at.caption
-    )
+    name = native[0].split(" ")[0]  # e.g. "enc-dnas": the caption names the loaded checkpoint
+    assert "inspect_heatmap" in charts(at) and f"**{name} (" in " ".join(c.value for c in at.caption)
+
+
+def test_inspect_gam_checkpoint_shows_phi_theta_and_combined(app_env):
+    """The shipped GAM checkpoint goes through the library (hf.analyze) like any model; its content
+    (Phi) and relative-position (Theta) maps are drawn beside the combined weights."""
+    from attnlab import hf
+
+    at = open_page()
+    gam = [o for o in at.selectbox(key="inspect_model").options if o.startswith("enc-gam")]
+    if not gam:
+        pytest.skip("no shipped GAM checkpoint")
+    at.selectbox(key="inspect_model").set_value(gam[0]).run()
+    assert not at.exception, [e.message for e in at.exception]
+    figs = charts(at)
+    assert {"inspect_gam_phi", "inspect_gam_theta", "inspect_gam_combined"} <= set(figs)
+    variant = at.segmented_control(key="inspect_variant").value
+    layer, head = at.slider(key="inspect_layer").value, at.slider(key="inspect_head").value
+    checkpoint = Path(APP).parents[1] / "checkpoints" / "enc-gam"
+    expected = hf.analyze(at.text_area(key="inspect_text").value, checkpoint, variants=(variant,),
+                          iters=at.slider(key="inspect_iters").value)
+    np.testing.assert_allclose(z_of(figs["inspect_gam_theta"]),
+                               expected.components[variant]["theta"][layer, head].numpy(), atol=1e-6)
+    np.testing.assert_allclose(z_of(figs["inspect_gam_combined"]), z_of(figs["inspect_heatmap"]), atol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -284,6 +306,7 @@ def _wait(at: AppTest, done, timeout: float = 120.0) -> AppTest:
     raise AssertionError(f"timed out; page says: {messages(at)}")
 
 
+@pytest.mark.slow
 def test_train_page_runs_a_model_in_the_background(app_env):
     at = open_page("train")
     assert "No runs yet" in messages(at)
@@ -306,6 +329,7 @@ def test_train_page_runs_a_model_in_the_background(app_env):
     assert "not a text file" in messages(again) and not again.exception
 
 
+@pytest.mark.slow
 def test_runs_stop_and_resume(app_env):
     import sys
 

@@ -116,6 +116,7 @@ def test_data_bytes_and_html():
     assert b"<html>" in html[:100] and b"plotly" in html
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not export.chromium_available(), reason="Chromium not found: static export untestable")
 def test_static_export_is_a_valid_image():
     b = av.build("grid", W, TOKENS, {"variant": "unas"})

@@ -49,6 +49,7 @@ def _state(pid: int) -> str | None:
     return stat and stat[0]
 
 
+@pytest.mark.slow
 def test_sweep_removes_the_folders_of_a_killed_server_only_once_it_is_dead(uploads):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "app"), str(REPO)])}
     server = subprocess.Popen(
@@ -69,6 +70,7 @@ def test_sweep_removes_the_folders_of_a_killed_server_only_once_it_is_dead(uploa
     assert sources.sweep_stale_uploads() == [folder] and not folder.exists()
 
 
+@pytest.mark.slow
 def test_sweep_keeps_live_unknown_and_foreign_folders(uploads, tmp_path):
     mine = sources.SessionFolder("live-session")
     mine.create()

@@ -21,7 +21,10 @@ import pytest
 
 sync_api = pytest.importorskip("playwright.sync_api")
 CHROMIUM = "/usr/bin/chromium"
-pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian's chromium is not installed")
+pytestmark = [
+    pytest.mark.slow,  # a Streamlit server and a browser
+    pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian's chromium is not installed"),
+]
 
 REPO = Path(__file__).resolve().parents[1]
 BROWSER_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking"]

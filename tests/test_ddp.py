@@ -33,6 +33,7 @@ def _torchrun(args: list[str], cwd: Path) -> None:
         pytest.fail(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
 
 
+@pytest.mark.slow  # torchrun: two processes
 def test_two_process_gloo_matches_single_process_with_resume(tmp_path):
     corpus = tmp_path / "kjv.txt"
     corpus.write_text(default_corpus()[:20_000], encoding="utf-8")

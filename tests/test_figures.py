@@ -256,6 +256,7 @@ def test_export_data_csv_json_npz(tmp_path):
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @needs_chromium
 def test_static_export_file_signatures(tmp_path):
     w = softmax_weights(2, 2, 6, 6)

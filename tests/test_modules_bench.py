@@ -35,7 +35,8 @@ def test_multihead_attention_padding_and_hybrid(variant):
     if u is not None:
         assert u.shape == (4,)
         out.sum().backward()
-        assert mha.hybrid.theta.grad is not None
+        grad = mha.hybrid.theta.grad  # (H,): u changes the output, so every head's theta gets a gradient
+        assert grad.shape == (4,) and torch.isfinite(grad).all() and (grad != 0).all()
 
 
 def test_config_errors():
@@ -49,13 +50,16 @@ def test_attention_benchmark_runs_and_reports_ratios(capsys):
     res = bench.bench_attention(sizes=(32,), memory=False, repeats=1)
     ratios = res["ratio"][32]
     assert set(ratios) == {label for label, _, _ in bench.CASES}
-    assert ratios["sdpa"] == 1.0 and all(r > 0 for r in ratios.values())
+    times = res["time_s"][32]  # every ratio is that case's time over SDPA's, from the same run
+    assert all(t > 0 for t in times.values())
+    assert all(ratios[lab] == pytest.approx(times[lab] / times["sdpa"]) for lab in ratios)
     table = bench.attention_markdown(res)
     assert "| 32 |" in table and "dnas" in table
     assert cli_main(["bench", "attention", "--sizes", "16", "--no-memory", "--repeats", "1"]) == 0
     assert "S=16" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_peak_memory_probe_sees_materialized_weights():
     """The probe measures real allocations: returning weights materializes (12, 512, 512) float32
     = 12 MiB several times over, while the fused DNAS path stays near the output's size."""

@@ -662,6 +662,7 @@ def test_dockerfile_invariants(reliability):
     )
 
 
+@pytest.mark.slow
 def test_dockerfile_lints_clean(reliability):
     # on PATH, or beside this interpreter (a .venv made by scripts/env.sh is not on PATH)
     hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=os.path.dirname(sys.executable))
@@ -682,6 +683,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_entry_command_serves_health_outside_docker(tmp_path, reliability):
     """The Dockerfile's CMD, on 127.0.0.1 and a free port: /_stcore/health answers ok."""
     cmd = json.loads(next(rest for op, rest in _instructions(_dockerfile()) if op == "CMD"))
@@ -707,13 +709,17 @@ def test_entry_command_serves_health_outside_docker(tmp_path, reliability):
                 time.sleep(0.3)
     finally:
         proc.terminate()
+        killed = False
         try:
             out = proc.communicate(timeout=15)[0].decode(errors="replace")
         except subprocess.TimeoutExpired:
+            killed = True
             proc.kill()
             out = proc.communicate()[0].decode(errors="replace")
     assert body == "ok", out[-2000:]
-    assert proc.returncode is not None
+    # it stopped on SIGTERM by itself (no SIGKILL needed): a clean exit or the signal's own status
+    stopped = proc.returncode in (0, -signal.SIGTERM, 128 + signal.SIGTERM)
+    assert not killed and stopped, (proc.returncode, out[-2000:])
     reliability(
         "the container's entry command",
         f"`{' '.join(cmd[1:5])} …` on 127.0.0.1:<free port>",
@@ -726,6 +732,7 @@ def test_entry_command_serves_health_outside_docker(tmp_path, reliability):
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_five_random_sigkills_then_resume(tmp_path, reliability):
     """A training run killed with SIGKILL at 5 random moments (seeded) always leaves a loadable last
     checkpoint; resuming after the last kill gives a metrics log with every step exactly once and the
@@ -802,6 +809,7 @@ def _corpus_file(tmp_path: Path) -> Path:
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_hundred_thousand_tokens_stream_in_bounded_memory(tmp_path, tiny_model_dir, reliability):
     """`attnlab analyze` on >= 100,000 tokens with a tiny BERT (64-token windows, ~2,000 of them):
     it shows progress over windows and its peak memory stays far below what holding every window's

@@ -41,6 +41,17 @@ else:  # a long window: the map gets the whole width
     st.caption(f"The head view draws up to {HEAD_VIEW_MAX_TOKENS} tokens; this window has {N}.")
     show(P, "heatmap", "heatmap", view, one_head, text=text, width="stretch")
 
+GAM_MAPS = {"phi": "Φ: content brains", "theta": "Θ: relative position"}
+if any(name in view.components.get(variant, {}) for name in GAM_MAPS):  # a GAM checkpoint's parts
+    from attnlab.figures import attention_heatmap
+
+    st.subheader("GAM: content (Φ), relative position (Θ) and the combined weights")
+    maps = {**view.components[variant], "combined": view.weights[variant]}
+    shown = [(k, GAM_MAPS.get(k, "combined")) for k in (*GAM_MAPS, "combined") if k in maps]
+    for column, (key, label) in zip(st.columns(len(shown)), shown, strict=True):
+        fig = attention_heatmap(maps[key][layer, head], view.tokens, title=f"{variant}: {label}")
+        column.plotly_chart(fig, key=f"{P}_gam_{key}", width="stretch", theme=None)
+
 st.subheader("Attention each token receives")
 whole_layer = st.toggle("Mean over the layer's heads", value=True, key=f"{P}_mass_all_heads")
 show(

@@ -8,11 +8,9 @@ shared by every session, a few entries at most.
 
 from __future__ import annotations
 
-import hashlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import islice
 
 import numpy as np
 import streamlit as st
@@ -22,7 +20,6 @@ import attnlab
 from appkit.sources import (
     EMBEDDED,
     UPLOAD_LIMIT_MB,
-    NativeModel,
     SessionFolder,
     Source,
     checkpoint_sources,
@@ -245,6 +242,8 @@ class WindowView:
     text_sha256: str
     characters: int
     notes: list[str] = field(default_factory=list)
+    # variant -> {map: (L, H, N, N)}: a GAM checkpoint's phi, theta and brains (hf WindowResult.components)
+    components: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
 
     @property
     def key(self) -> str:
@@ -292,51 +291,14 @@ class WindowView:
         }
 
 
-def _plan_native(model: NativeModel, text: str) -> tuple[list[int], hf.Windowing]:
-    from attnlab.hf.windows import plan_windows
-
-    ids = model.tokenizer.encode(text)
-    if not ids:
-        raise ValueError("the text produced no tokens for this tokenizer; there is nothing to analyse")
-    n_special = 0 if model.info.causal else 2  # [CLS] ... [SEP] for encoders
-    return ids, plan_windows(len(ids), model.info.max_length, n_special)
-
-
 @st.cache_resource(max_entries=4, ttl=1800, show_spinner=False)
 def _plan(kind: str, path: str | None, text: str, variants: tuple, mode: str, u: float, iters: int):
+    """The planned analysis (``hf.stream_analysis``) of any model: Hugging Face or native checkpoint.
+    A native HNAS checkpoint keeps the u it learned (the slider's u applies to other models)."""
     model = load(Source(kind, path, ""))
-    if isinstance(model, NativeModel):
-        return _plan_native(model, text)
+    if isinstance(model, hf.NativeModel) and hf.native.learned_u(model) is not None:
+        u = None
     return hf.stream_analysis(text, model, variants, mode, u, iters)
-
-
-def _native_window(model: NativeModel, ids, windowing, s: Settings, window: int) -> dict:
-    start = windowing.starts[window]
-    body = ids[start : start + windowing.content]
-    tok = model.tokenizer
-    ids_w = body if model.info.causal else [tok.cls_id, *body, tok.sep_id]
-    weights, us = {}, None
-    with model.lock, torch.no_grad():
-        for v in s.variants:
-            m = model.swapped(v, s.u, s.iters)
-            out = m(torch.tensor([ids_w]), return_weights=True)
-            weights[v] = torch.stack(out.weights)[:, 0].float().numpy()  # (L, H, N, N)
-            if v == "hnas":
-                us = m.hybrid_weights().numpy()
-    special = np.array([i in tok.special_ids() for i in ids_w])
-    notes = [
-        f"{model.info.name} is a native attnlab checkpoint: each variant is swapped into every layer "
-        "(mode is ignored); HNAS keeps the checkpoint's learned u where it has one."
-    ]
-    return {
-        "tokens": tok.convert_ids_to_tokens(ids_w),
-        "input_ids": list(ids_w),
-        "special": special,
-        "weights": weights,
-        "u": s.u if us is None else us,
-        "iters": s.iters,
-        "notes": notes,
-    }
 
 
 @st.cache_resource(max_entries=3, ttl=1800, show_spinner=False)
@@ -354,37 +316,21 @@ def _window(
     s = Settings(Source(kind, path, label), variants, mode, u, iters)
     model = load(s.source)
     plan = _plan(kind, path, text, variants, mode, u, iters)
-    sha = hashlib.sha256(text.encode("utf-8")).hexdigest()
-    if isinstance(model, NativeModel):
-        ids, windowing = plan
-        got = _native_window(model, ids, windowing, s, window)
-        return WindowView(
-            s,
-            model.info,
-            window=window,
-            windowing=windowing.as_dict(),
-            text_sha256=sha,
-            characters=len(text),
-            **got,
-        )
-    from attnlab.hf.windows import iter_windows
-
-    win = next(islice(iter_windows(model.tokenizer, text, plan.tokenized, plan.windowing), window, None))
-    weights = hf.batch_weights(
-        model, torch.tensor([win.input_ids]), None, plan.variants, plan.mode, plan.u, plan.iters
-    )
+    result = plan.window(window)
+    used = plan.u if isinstance(plan.u, float) else plan.u.numpy()
     return WindowView(
         s,
         model.info,
-        tokens=win.tokens,
-        input_ids=list(win.input_ids),
-        special=win.special,
-        u=u,
+        tokens=result.tokens,
+        input_ids=list(result.window.input_ids),
+        special=result.window.special,
+        u=used,
         iters=plan.iters,
         window=window,
-        weights={v: w[:, 0].numpy() for v, w in weights.items()},  # (L, H, N, N)
+        weights={v: w.numpy() for v, w in result.weights.items()},  # (L, H, N, N)
+        components={v: {n: t.numpy() for n, t in maps.items()} for v, maps in result.components.items()},
         windowing=plan.windowing.as_dict(),
-        text_sha256=sha,
+        text_sha256=plan.text_sha256,
         characters=len(text),
         notes=list(plan.notes),
     )
@@ -401,7 +347,7 @@ def n_windows(s: Settings, text: str) -> int:
         plan = _plan(s.source.kind, s.source.path, text, s.variants, s.mode, s.u, s.iters)
     except (ValueError, OSError) as e:  # ModelLoadError is a ValueError
         _fail(e)
-    return plan[1].n_windows if isinstance(plan, tuple) else plan.windowing.n_windows
+    return plan.windowing.n_windows
 
 
 def window_view(prefix: str, s: Settings, text: str) -> WindowView:

@@ -2,8 +2,8 @@
 Hugging Face directory, or an uploaded checkpoint (safetensors + config).
 
 A :class:`Source` is a small hashable description; :func:`load` turns it into a loaded model once per
-server (``st.cache_resource``). Hugging Face models go through ``attnlab.hf.load_model``; native
-attnlab checkpoints (``attnlab.models.load``) are wrapped in :class:`NativeModel`.
+server (``st.cache_resource``). Every model goes through ``attnlab.hf.load_model``: Hugging Face
+directories as ``hf.LoadedModel``, native attnlab checkpoints as ``hf.NativeModel``.
 
 Uploads go to a per-session :class:`SessionFolder`, removed when the session ends; the folders of a
 server that was killed outright are removed by the next server's start-up sweep
@@ -20,19 +20,17 @@ import re
 import shutil
 import socket
 import tempfile
-import threading
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import streamlit as st
 
 from attnlab import hf
-from attnlab.models import checked_step_name
+from attnlab.checkpoint_io import is_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 CHECKPOINTS = REPO / "checkpoints"
-NATIVE_FORMAT = "attnlab-checkpoint/1"
 UPLOAD_LIMIT_MB = 200  # one uploaded checkpoint file (also server.maxUploadSize)
 # Files an uploaded checkpoint may contain; anything else (and any pickle) is refused.
 UPLOAD_SUFFIXES = (".safetensors", ".json", ".txt", ".model")
@@ -67,17 +65,7 @@ EMBEDDED = Source("hf", None, "MiniLM-L6 (embedded)")
 
 def is_native(path: str | Path) -> bool:
     """True for an attnlab checkpoint directory (a run with latest.json, or a step directory)."""
-    p = Path(path)
-    config = p / "config.json"
-    if (p / "latest.json").is_file():
-        try:
-            config = p / checked_step_name(json.loads((p / "latest.json").read_text())["dir"]) / "config.json"
-        except (OSError, ValueError, KeyError, TypeError):
-            return False
-    try:
-        return json.loads(config.read_text()).get("format") == NATIVE_FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
+    return is_checkpoint(path)
 
 
 def checkpoint_sources() -> list[Source]:
@@ -92,73 +80,8 @@ def checkpoint_sources() -> list[Source]:
     return out
 
 
-# ----------------------------------------------------------------------------------------------
-# Native attnlab checkpoints
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class NativeModel:
-    """An attnlab checkpoint ready for analysis: the model, its tokenizer, and its variants swapped in."""
-
-    model: object  # attnlab.models.TransformerLM, eval mode
-    tokenizer: object  # attnlab.data tokenizer
-    info: hf.ModelInfo
-    lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
-    _swapped: dict = field(default_factory=dict, repr=False)
-
-    def swapped(self, variant: str, u: float, iters: int):
-        """The same weights with ``variant`` in every layer (HNAS keeps a learned theta when the
-        checkpoint has one, else starts from ``u``). Cached per (variant, u, iters)."""
-        from attnlab.models import ModelConfig, TransformerLM
-
-        key = (variant, round(u, 4), iters)
-        with self.lock:
-            if key not in self._swapped:
-                base = self.model.config.to_dict()
-                if base["variant"] == variant or base["variant"] == [variant] * self.info.n_layers:
-                    self._swapped[key] = self.model
-                else:
-                    cfg = ModelConfig.from_dict(
-                        {
-                            **base,
-                            "variant": variant,
-                            "u": min(max(u, 1e-4), 1 - 1e-4),
-                            "iters": 1
-                            if self.info.causal
-                            else (iters if variant == "sinkhorn" else base["iters"]),
-                        }
-                    )
-                    swapped = TransformerLM(cfg)
-                    swapped.load_state_dict(self.model.state_dict(), strict=False)  # theta may be new
-                    self._swapped[key] = swapped.eval()
-            return self._swapped[key]
-
-
-def _load_native(path: str) -> NativeModel:
-    from attnlab.data import load_tokenizer
-    from attnlab.models import load as load_checkpoint
-
-    try:
-        model = load_checkpoint(path)
-        tokenizer = load_tokenizer(path)
-    except (OSError, ValueError, KeyError, RuntimeError, TypeError) as e:
-        raise hf.ModelLoadError(f"the attnlab checkpoint in {path} does not load: {e}") from None
-    cfg = model.config
-    variants = sorted(set(cfg.layer_variants()))
-    info = hf.ModelInfo(
-        path=str(Path(path).resolve()),
-        name=f"{Path(path).name} ({'/'.join(variants)})",
-        model_type=f"attnlab-{cfg.kind}",
-        architecture=type(model).__name__,
-        n_layers=cfg.n_layers,
-        n_heads=cfg.n_heads,
-        n_kv_heads=cfg.n_heads,
-        max_length=cfg.max_len,
-        causal=cfg.kind == "decoder",
-        embedded=False,
-    )
-    return NativeModel(model=model, tokenizer=tokenizer, info=info)
+# Native attnlab checkpoints load through the library like any model (attnlab.hf.native).
+NativeModel = hf.NativeModel
 
 
 def app_device() -> str:
@@ -170,10 +93,8 @@ def app_device() -> str:
 
 @st.cache_resource(show_spinner="Loading the model…", max_entries=8)
 def _load_cached(kind: str, path: str | None):
-    if kind == "native":
-        return _load_native(path)
-    try:
-        return hf.load_model(path, device=app_device())
+    try:  # native checkpoints (small) stay on the CPU
+        return hf.load_model(path, device="cpu" if kind == "native" else app_device())
     except ValueError:  # ModelLoadError: already worded for people
         raise
     except Exception as e:  # e.g. safetensors' SafetensorError on a corrupt weights file
@@ -181,7 +102,7 @@ def _load_cached(kind: str, path: str | None):
 
 
 def load(source: Source):
-    """LoadedModel (Hugging Face) or NativeModel; ``hf.ModelLoadError`` (a ValueError) with a message
+    """hf.LoadedModel (Hugging Face) or hf.NativeModel; ``hf.ModelLoadError`` (a ValueError) with a message
     for people when it does not load. Failures are not cached, so a fixed directory loads next time."""
     if source.kind == "hf" and source.path is not None and is_native(source.path):
         source = Source("native", source.path, source.label)

@@ -777,13 +777,14 @@ def analyze_command(source: Mapping, text_file: str = "text.txt", out_dir: str =
     cmd = ["attnlab", "analyze", text_file]
     if source["model"].get("path") and not source["model"].get("embedded"):
         cmd += ["--model", source["model"]["path"]]
+    # u per layer and head (a list) is a native HNAS checkpoint's learned u: the command's default there
+    u = [] if isinstance(s["u"], list) else ["--u", f"{s['u']:g}"]
     cmd += [
         "--variants",
         ",".join(s["variants"]),
         "--mode",
         s["mode"],
-        "--u",
-        f"{s['u']:g}",
+        *u,
         "--iters",
         str(s["iters"]),
         "--window",
@@ -822,8 +823,7 @@ def manifest(
     dirs = [f"attnlab-out-{k}" for k in range(len(sources))] if len(sources) > 1 else ["attnlab-out"]
     commands = []
     for src, d in zip(sources, dirs, strict=True):
-        native = src["model"].get("model_type", "").startswith("attnlab")
-        commands.append(None if native else shlex.join(analyze_command(src, out_dir=d)))
+        commands.append(shlex.join(analyze_command(src, out_dir=d)))
     return {
         "format": MANIFEST_FORMAT,
         "attnlab_version": getattr(attnlab, "__version__", "?"),
@@ -835,8 +835,7 @@ def manifest(
             "commands": commands,
             "python": f"from attnlab.figures.app_views import reproduce_figure; "
             f"fig = reproduce_figure('manifest.json', {dirs!r})",
-            "note": "run each command on the same text (text.txt, sha256 above); None = a native attnlab "
-            "checkpoint, which `attnlab analyze` cannot load yet",
+            "note": "run each command on the same text (text.txt, sha256 above)",
         },
         **({"extra": dict(extra)} if extra else {}),
     }

@@ -9,6 +9,8 @@ Public surface::
     result.tokens                           # list[str]
     result.weights["dnas"]                  # (L, H, N, N) for a single-window text
     result.table()                          # tidy statistics (attnlab.stats.tidy_table)
+    hf.analyze("Some text.", "checkpoints/enc-hnas")  # a native attnlab checkpoint (its learned u)
+    hf.analyze("Some text.", "checkpoints/enc-gam").components["unas"]["theta"]  # GAM's maps
     hf.analyze("Some text.", on_gpu)        # runs on the GPU; weights and tables come back on the CPU
     for w in hf.stream_analysis(long_text): # one WindowResult at a time, bounded memory
         ...
@@ -53,6 +55,7 @@ from attnlab.hf.loading import (  # noqa: E402
     model_on,
     resolve_device,
 )
+from attnlab.hf.native import NativeModel, capture_attention_inputs, load_native  # noqa: E402
 from attnlab.hf.weights import MODES, batch_weights  # noqa: E402
 from attnlab.hf.windows import Window, Windowing  # noqa: E402
 
@@ -68,6 +71,7 @@ __all__ = [
     "LoadedModel",
     "ModelInfo",
     "ModelLoadError",
+    "NativeModel",
     "UnsupportedModelError",
     "Window",
     "WindowResult",
@@ -75,12 +79,14 @@ __all__ = [
     "analyze",
     "batch_weights",
     "benchmark_analysis",
+    "capture_attention_inputs",
     "capture_qk",
     "clear_model_cache",
     "default_model_path",
     "hnas_u_from_checkpoint",
     "implementation_name",
     "load_model",
+    "load_native",
     "model_on",
     "register_attention_functions",
     "resolve_device",

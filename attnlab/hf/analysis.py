@@ -14,11 +14,13 @@ import hashlib
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 
 import torch
 
 from attnlab.hf.interface import DEFAULT_U
 from attnlab.hf.loading import LoadedModel, ModelInfo, model_on
+from attnlab.hf.native import NativeModel, learned_u, native_weights
 from attnlab.hf.weights import check_arguments, window_weights_and_sums
 from attnlab.hf.windows import (
     MAX_DEFAULT_WINDOW,
@@ -53,6 +55,10 @@ class WindowResult:
     window: Window  # tokens, word ids, special/punctuation flags, character spans
     weights: dict[str, torch.Tensor]  # variant -> (L, H, N, N); rows sum to 1
     u: float | torch.Tensor = DEFAULT_U  # HNAS weight used (for the u/N bound)
+    # variant -> {map: (L, H, N, N)}: the parts of a GAM checkpoint's weights (attnlab.hf.native):
+    # "phi" (content brains mixed, Eq. 14), "theta" (relative-position branch, Eq. 22), "brain_<b>",
+    # "position_brain_<b>" (each brain normalized); NaN in layers without that map. Empty otherwise.
+    components: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     # Row sums for the statistics, computed together with the weights (attnlab.hf.weights): (sums,
     # special-key masks they cover, the weights' (id, version) when computed). Used by ``table``
     # while the weights are those very tensors, unchanged.
@@ -170,6 +176,11 @@ class AnalysisResult:
         """(N,) bool special-token flags of the single window."""
         return self._single("special").special
 
+    @property
+    def components(self) -> dict[str, dict[str, torch.Tensor]]:
+        """variant -> {map: (L, H, N, N)} of a GAM checkpoint, single window (see WindowResult)."""
+        return self._single("components").components
+
     def table(self, **kwargs):
         """Tidy statistics, one row per window/variant/layer/head/statistic (see WindowResult.table)."""
         import pandas as pd
@@ -262,15 +273,30 @@ class AnalysisStream:
 
     def __iter__(self) -> Iterator[WindowResult]:
         for window in iter_windows(self.loaded.tokenizer, self.text, self.tokenized, self.windowing):
-            ids = torch.tensor([window.input_ids])  # (1, N)
-            special = torch.from_numpy(window.special)
-            masks = [special | torch.from_numpy(window.punctuation), special]  # table()'s two choices
-            weights, sums = window_weights_and_sums(
-                self.loaded, ids, self.variants, self.mode, self.params, masks
-            )
-            weights = {v: w[:, 0] for v, w in weights.items()}
-            cache = None if sums is None else (sums, masks, _fingerprint(weights))
-            yield WindowResult(window=window, weights=weights, u=self.u, _sums=cache)
+            yield self._result(window)
+
+    def window(self, index: int) -> WindowResult:
+        """The result of window ``index`` alone (the windows before it are not computed)."""
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(self):
+            raise ValueError(f"index must be an integer in [0, {len(self) - 1}], got {index!r}")
+        windows = iter_windows(self.loaded.tokenizer, self.text, self.tokenized, self.windowing)
+        return self._result(next(islice(windows, index, None)))
+
+    def _result(self, window: Window) -> WindowResult:
+        ids = torch.tensor([window.input_ids])  # (1, N)
+        if isinstance(self.loaded, NativeModel):  # attnlab's own checkpoint: its own capture
+            weights, parts = native_weights(self.loaded, ids, None, self.variants, self.mode, self.params)
+            components = {v: {n: t[:, 0] for n, t in p.items()} for v, p in parts.items() if p}
+            return WindowResult(window=window, weights={v: w[:, 0] for v, w in weights.items()}, u=self.u,
+                                components=components)
+        special = torch.from_numpy(window.special)
+        masks = [special | torch.from_numpy(window.punctuation), special]  # table()'s two choices
+        weights, sums = window_weights_and_sums(
+            self.loaded, ids, self.variants, self.mode, self.params, masks
+        )
+        weights = {v: w[:, 0] for v, w in weights.items()}
+        cache = None if sums is None else (sums, masks, _fingerprint(weights))
+        return WindowResult(window=window, weights=weights, u=self.u, _sums=cache)
 
     def collect(self, progress: bool = False) -> AnalysisResult:
         """Run every window and keep the results."""
@@ -322,6 +348,11 @@ def stream_analysis(
     info = loaded.info
     variants, given = check_arguments(variants, mode, {"u": u, "iters": iters, **params}, info)
     notes = []
+    if "u" not in given and isinstance(loaded, NativeModel):  # a native HNAS checkpoint's learned u
+        learned = learned_u(loaded)
+        if learned is not None:
+            given = {**given, "u": learned}
+            notes.append(f"hnas uses the u per layer and head learned by {info.name}")
     if info.causal and "sinkhorn" in variants and "iters" not in given:
         notes.append(
             f"{info.name} is causal: sinkhorn uses iters=1 (= causal DNAS), since causal Sinkhorn with "
@@ -369,11 +400,14 @@ def analyze(
 
     Args:
         text: the text to analyse (non-empty).
-        model: None (the embedded MiniLM), a local model directory, or a :class:`LoadedModel`.
+        model: None (the embedded MiniLM), a local model directory (``save_pretrained``, or a native
+            attnlab checkpoint: a run or step directory of ``attnlab train``, e.g.
+            ``checkpoints/enc-hnas``), or a :class:`LoadedModel`.
         variants: any of ``attnlab.VARIANTS`` (default: ``attnlab.DEFAULT_VARIANTS``, the paper's four).
         mode: "recompute" (variants computed from the model's own q and k) or "swap" (the variant
             replaces the model's attention; later layers change too).
-        u: HNAS hybrid weight in [0, 1], float or tensor broadcastable to (L, H) (default 0.5).
+        u: HNAS hybrid weight in [0, 1], float or tensor broadcastable to (L, H); default: the u per
+            layer and head a native HNAS checkpoint learned (with a note), else 0.5.
         iters: Sinkhorn rounds (default 3; a causal model uses 1 unless given, with a note in
             ``.notes``, and refuses iters > 1).
         **params: any other registered variant parameter (e.g. ``tol`` for Sinkhorn).
@@ -387,7 +421,8 @@ def analyze(
             statistics come back on the CPU either way; ``.device`` says where the model ran.
 
     Returns:
-        :class:`AnalysisResult`; ``.weights[variant]`` is (L, H, N, N) for a single-window text.
+        :class:`AnalysisResult`; ``.weights[variant]`` is (L, H, N, N) for a single-window text; for
+        a GAM checkpoint ``.components[variant]`` holds its maps Phi, Theta and each brain's.
     """
     stream = stream_analysis(text, model, variants, mode, u, iters, window=window, overlap=overlap,
                              device=device, **params)

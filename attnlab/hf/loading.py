@@ -27,6 +27,7 @@ import torch  # noqa: E402
 from transformers import AutoConfig, AutoModel, AutoTokenizer  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
+from attnlab.checkpoint_io import is_checkpoint  # noqa: E402
 from attnlab.hf.interface import UnsupportedModelError, capture_qk  # noqa: E402
 
 __all__ = [
@@ -138,6 +139,10 @@ def default_model_path() -> Path:
 def load_model(path: str | os.PathLike | None = None, *, device="cpu") -> LoadedModel:
     """Load (once per directory and device) a local model for analysis; ``None`` = the embedded default.
 
+    A native attnlab checkpoint (``attnlab train`` output, ``checkpoints/enc-*``: a ``config.json``
+    of format ``attnlab-checkpoint/1``, or a run's ``latest.json``) loads as an
+    :class:`attnlab.hf.native.NativeModel`, analysed like any other model.
+
     ``device``: ``"cpu"`` (default), ``"cuda"``, ``"cuda:<index>"``, a ``torch.device`` or ``"auto"``
     (:func:`resolve_device`); a ValueError names ``device`` when CUDA is asked for but unavailable.
     Raises :class:`ModelLoadError` (a ``ValueError``) with a message for people when the directory is
@@ -146,6 +151,10 @@ def load_model(path: str | os.PathLike | None = None, *, device="cpu") -> Loaded
     dev = resolve_device(device)
     embedded = path is None
     directory = (default_model_path() if embedded else Path(path)).expanduser()
+    if not embedded and is_checkpoint(directory):  # attnlab's own checkpoint (attnlab.hf.native)
+        from attnlab.hf.native import load_native
+
+        return load_native(directory, device=dev)
     key = str(directory.resolve()) if directory.exists() else str(directory)
     with _CACHE_LOCK:
         cache, k = (_CACHE, key) if dev.type == "cpu" else (_DEVICE_CACHE, (key, str(dev)))
@@ -171,9 +180,12 @@ def model_on(model: LoadedModel | str | os.PathLike | None, device=None) -> Load
 
 def clear_model_cache() -> None:
     """Forget every cached model."""
+    from attnlab.hf.native import clear_native_cache
+
     with _CACHE_LOCK:
         _CACHE.clear()
         _DEVICE_CACHE.clear()
+    clear_native_cache()
 
 
 # ----------------------------------------------------------------------------------------------

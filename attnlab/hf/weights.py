@@ -659,6 +659,10 @@ def batch_weights(
         raise ValueError(
             f"attention_mask must match input_ids {tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}"
         )
+    from attnlab.hf.native import NativeModel, native_weights
+
+    if isinstance(loaded, NativeModel):  # attnlab's own checkpoint: its own capture
+        return native_weights(loaded, input_ids, attention_mask, variants, mode, given)[0]
     run = _recompute if mode == "recompute" else _swap
     dev = loaded.device
     with loaded.lock, torch.no_grad():

@@ -25,14 +25,14 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from attnlab.models import (
+from attnlab.checkpoint_io import (
     LATEST_FILE,
     atomic_write_bytes,
     atomic_write_json,
     checked_step_name,
     fsync_dir,
-    save,
 )
+from attnlab.models import save
 
 __all__ = ["save_checkpoint", "read_latest", "load_optimizer_state", "load_trainer_state",
            "optimizer_tensors", "clean_temporary", "CheckpointError"]

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from attnlab.checkpoint_io import atomic_write_bytes, atomic_write_json
 from attnlab.data import (
     IGNORE_INDEX,
     DataPosition,
@@ -27,7 +28,7 @@ from attnlab.data import (
     load_corpus,
     load_tokenizer,
 )
-from attnlab.models import TransformerLM, atomic_write_bytes, atomic_write_json
+from attnlab.models import TransformerLM
 from attnlab.train.checkpoint import (
     CheckpointError,
     clean_temporary,
