@@ -17,10 +17,22 @@ from attnlab import VARIANTS, contributions, flow, hf, sinks, stats
 from attnlab.hf import values
 
 EXTRA_CONFIGS = {  # GQA with 2 value heads for 4 query heads, like the tiny LLaMA
-    "mistral": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                    intermediate_size=64, max_position_embeddings=64),
-    "qwen2": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  intermediate_size=64, max_position_embeddings=64),
+    "mistral": dict(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    ),
+    "qwen2": dict(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    ),
 }
 ARCHS = (*TINY_ARCHS, *EXTRA_CONFIGS)
 
@@ -78,7 +90,9 @@ def test_value_norms_and_gram_match_the_weights(arch):
         with torch.no_grad():
             v, w_out, H = _literal_values(model, arch, out.hidden_states, layer)
         H_kv, Dh = v.shape[1], v.shape[2]
-        f = torch.stack([v[:, h // (H // H_kv)] @ w_out[h * Dh : (h + 1) * Dh] for h in range(H)])  # (H, N, D)
+        f = torch.stack(
+            [v[:, h // (H // H_kv)] @ w_out[h * Dh : (h + 1) * Dh] for h in range(H)]
+        )  # (H, N, D)
         torch.testing.assert_close(summary.norms[layer], f.norm(dim=-1), rtol=1e-5, atol=1e-5)
         gram = torch.einsum("hnd,knd->nhk", f, f)
         torch.testing.assert_close(summary.gram[layer], gram, rtol=1e-4, atol=1e-5)
@@ -107,8 +121,13 @@ def test_contribution_mass_and_layer_norms_against_literal_vectors():
     f = torch.randn(H, N, D)
     norms = contributions.value_norms(f)
     c = contributions.contribution_mass(w, norms)
-    literal = [[sum(float(w[h, i, j]) * math.sqrt(sum(float(x) ** 2 for x in f[h, j])) for i in range(N))
-                for j in range(N)] for h in range(H)]
+    literal = [
+        [
+            sum(float(w[h, i, j]) * math.sqrt(sum(float(x) ** 2 for x in f[h, j])) for i in range(N))
+            for j in range(N)
+        ]
+        for h in range(H)
+    ]
     torch.testing.assert_close(c, torch.tensor(literal), rtol=1e-5, atol=1e-6)
     full = torch.einsum("hij,hjd->ijd", w, f).norm(dim=-1)  # the (N, N, D) tensor, for the reference only
     for rows in (1, 3, 64):
@@ -129,15 +148,18 @@ def test_contribution_statistics_by_hand():
     # c = (1, .6, .38, 1.0); c~ N/M = c * 4 / 2.98 = (1.34, .81, .51, 1.34): not by contribution
     assert float(st["away_by_weight_not_contribution"]) == pytest.approx(0.25)
     assert float(st["contribution_explained_away_relative"]) == 0.0
-    assert float(st["contribution_gini"]) == pytest.approx(float(stats.gini(torch.tensor([1.0, 0.6, 0.38, 1.0]))))
+    assert float(st["contribution_gini"]) == pytest.approx(
+        float(stats.gini(torch.tensor([1.0, 0.6, 0.38, 1.0])))
+    )
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 @pytest.mark.parametrize("arch", ["bert", "llama"])
 def test_analyze_with_contributions_for_every_variant(tiny_model_dir, arch, mode):
     loaded = hf.load_model(tiny_model_dir(arch))
-    result = hf.analyze("Attention lets every word look at every other word.", loaded, mode=mode,
-                        contributions=True)
+    result = hf.analyze(
+        "Attention lets every word look at every other word.", loaded, mode=mode, contributions=True
+    )
     w = result.windows[0]
     assert set(w.values) == set(VARIANTS)
     for v in VARIANTS:
@@ -154,10 +176,10 @@ def test_analyze_with_contributions_for_every_variant(tiny_model_dir, arch, mode
         assert result.value_norms.shape == w.values["unas"].norms.shape
     else:
         with pytest.raises(ValueError, match="swap mode"):
-            result.value_norms
+            _ = result.value_norms
     plain = hf.analyze("Attention lets every word look at every other word.", loaded, mode=mode)
     with pytest.raises(ValueError, match="contributions=True"):
-        plain.contribution_mass
+        _ = plain.contribution_mass
     assert len(plain.table()) + len(VARIANTS) * 8 * len(contributions.CONTRIBUTION_STATISTICS) == len(table)
 
 
@@ -215,7 +237,9 @@ def test_flow_on_a_hand_checked_graph():
     got = flow.attention_flow(w, add_residual=False)
     torch.testing.assert_close(got, torch.tensor([[1.0, 0.5], [0.5, 0.5]], dtype=torch.float64))
     # rollout multiplies instead: A1 A0 = [[.75, .25], [.5, .5]]
-    torch.testing.assert_close(stats.attention_rollout(w, add_residual=False), torch.tensor([[0.75, 0.25], [0.5, 0.5]]))
+    torch.testing.assert_close(
+        stats.attention_rollout(w, add_residual=False), torch.tensor([[0.75, 0.25], [0.5, 0.5]])
+    )
     torch.testing.assert_close(flow.attention_flow(w, [1], add_residual=False), got[1:])
 
 

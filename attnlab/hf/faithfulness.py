@@ -109,9 +109,26 @@ def _leave_one_out(net, ids, positions, batch_size) -> torch.Tensor:
     return torch.cat(out).cpu()
 
 
+def _tokens(loaded: LoadedModel, text) -> tuple[torch.Tensor, list[bool]]:
+    """(input ids (1, N) on the model's device, special-token flags) of a text or an analysed Window."""
+    from attnlab.hf.windows import Window
+
+    if isinstance(text, Window):
+        return torch.tensor([text.input_ids], device=loaded.device), [bool(x) for x in text.special]
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(
+            "text must be a non-empty str (or an attnlab.hf.Window); there is nothing to leave out"
+        )
+    enc = loaded.tokenizer(
+        text, truncation=True, max_length=loaded.info.max_length, return_special_tokens_mask=True
+    )
+    special = enc.get("special_tokens_mask") or [0] * len(enc["input_ids"])
+    return torch.tensor([enc["input_ids"]], device=loaded.device), [bool(x) for x in special]
+
+
 def faithfulness(
     model: LoadedModel | str | os.PathLike | None,
-    text: str,
+    text,
     variants: Sequence[str] = VARIANTS,
     params: Mapping[str, Mapping] | None = None,
     *,
@@ -123,7 +140,8 @@ def faithfulness(
 
     Args:
         model: a LoadedModel, a model directory or None (the embedded MiniLM).
-        text: the text (one window: tokenized with special tokens, truncated to the model's max length).
+        text: the text (one window: tokenized with special tokens, truncated to the model's max length),
+            or a :class:`attnlab.hf.Window` of an analysis (its ids and special-token flags).
         variants: registered variants; params: {variant: its parameters} (defaults for the rest).
         measures: any of ``MEASURES``.
         batch_size: masked copies of the text per forward.
@@ -144,20 +162,14 @@ def faithfulness(
         raise ValueError(f"measures must be a non-empty subset of {MEASURES}, got {list(measures)!r}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-    if not isinstance(text, str) or not text.strip():
-        raise ValueError("text must be a non-empty str; there is nothing to leave out")
-    params = dict(params or {})
-    enc = loaded.tokenizer(
-        text, truncation=True, max_length=loaded.info.max_length, return_special_tokens_mask=True
-    )
-    ids = torch.tensor([enc["input_ids"]], device=loaded.device)  # (1, N)
-    special = enc.get("special_tokens_mask") or [0] * ids.shape[1]
-    positions = [i for i, s in enumerate(special) if not s]
+    ids, special = _tokens(loaded, text)  # (1, N), N flags
+    positions = [i for i, sp in enumerate(special) if not sp]
     if len(positions) < 2:
         raise ValueError(
             f"leave-one-out needs a text of at least 2 tokens to rank, got {len(positions)} "
             "(special tokens are not counted)"
         )
+    params = dict(params or {})
     paths = value_paths(loaded.model) if "contribution_mass" in measures else None
     importance, loo, notes = {}, {}, []
     rows = []
@@ -192,7 +204,7 @@ def faithfulness(
                 )
     import pandas as pd
 
-    tokens = loaded.tokenizer.convert_ids_to_tokens([enc["input_ids"][i] for i in positions])
+    tokens = loaded.tokenizer.convert_ids_to_tokens([int(ids[0, i]) for i in positions])
     return FaithfulnessResult(
         table=pd.DataFrame(rows),
         importance=importance,
