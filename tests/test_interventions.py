@@ -60,11 +60,12 @@ def _reference_run(net, ids, target, variant, lm: bool):
 
 
 def _sharpen(model, seed: int = 0):
-    """Weights ~ N(0, 0.2): peaked attention, so that a variant's swap changes the output (the default
-    initialization, std 0.02, gives near-uniform maps on which every variant agrees)."""
+    """Matrices ~ N(0, 0.5): peaked attention, so that a variant's swap changes the output (the default
+    initialization, std 0.02, gives near-uniform maps on which every variant agrees). Norms stay 1."""
     torch.manual_seed(seed)
     for p in model.parameters():
-        p.data.normal_(0.0, 0.2)
+        if p.dim() == 2:
+            p.data.normal_(0.0, 0.5)
     return model
 
 
