@@ -189,3 +189,36 @@ def contribution_table(
     if window is not None:
         frame["window"] = window
     return frame
+
+
+def explained_away_fraction_by(
+    weights: torch.Tensor,
+    eps_relative: float = 0.1,
+    *,
+    norms: torch.Tensor | None = None,
+    exclude: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The relative explained-away fraction (share of keys with mass * N / M < eps_relative) of weights
+    (..., H, M, N) -> (..., H), by weight or, with ``norms`` (..., H, N), by contribution (c~_j), and
+    with ``exclude`` (bool (N,), e.g. ``attnlab.sinks.sink_keys``) over the remaining keys with rows
+    renormalized (``attnlab.sinks.sink_excluded_column_mass``)."""
+    from attnlab import sinks
+
+    eps_relative = stats._check_eps("eps_relative", eps_relative)
+    w = _check("weights", weights, 3)
+    M = w.shape[-2]
+    if exclude is None:
+        col, m_rows, keep = w.sum(-2), w.new_full(w.shape[:-2], float(M)), slice(None)
+    else:
+        col, kept = sinks.sink_excluded_column_mass(w, exclude)
+        m_rows, keep = kept.sum(-1).to(w.dtype), ~exclude.to(torch.bool).cpu()
+    n_keys = col.shape[-1]
+    if not n_keys:
+        return w.new_zeros(w.shape[:-2])
+    if norms is not None:
+        _check_pair(w, norms)
+        col = col * norms.to(w.device, w.dtype)[..., keep]
+        total = col.sum(-1, keepdim=True)
+        col = torch.where(total > 0, col * m_rows[..., None] / torch.where(total > 0, total, 1.0), 0.0)
+    rel = col * (n_keys / torch.where(m_rows > 0, m_rows, 1.0))[..., None]
+    return torch.where(m_rows > 0, (rel < eps_relative).to(w.dtype).mean(-1), 0.0)

@@ -256,6 +256,7 @@ def head_interventions(
     *,
     batch_size: int | None = None,
     progress: bool = False,
+    on_progress=None,
     device=None,
 ) -> InterventionResult:
     """Swap each head's normalizer for ``variant`` in turn and measure the change of the output.
@@ -267,7 +268,8 @@ def head_interventions(
             input ids (1, N) / (N,).
         variant: any registered variant; params: its parameters (defaults filled in).
         batch_size: copies of the text per forward (default: the number of heads H).
-        progress: a tqdm bar over the L x H heads.
+        progress: a tqdm bar over the L x H heads; on_progress: called as on_progress(done, L * H)
+            after each batch (e.g. a Streamlit progress bar).
 
     Returns:
         :class:`InterventionResult` with (L, H) ``measures``: ``hidden_cosine`` and ``pooled_cosine``
@@ -356,6 +358,8 @@ def head_interventions(
                     measures["pooled_cosine"][layer, heads] = _cosine_distance(y.mean(1), base.mean(1)).cpu()
                 if bar is not None:
                     bar.update(len(heads))
+                if on_progress is not None:
+                    on_progress(layer * H + heads[-1] + 1, L * H)
     if bar is not None:
         bar.close()
     tokens = loaded.tokenizer.convert_ids_to_tokens(ids[0].tolist())

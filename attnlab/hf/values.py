@@ -223,3 +223,22 @@ def window_summaries(
             f"swap mode runs one forward per variant ({len(variants)}), {len(forwards)} were recorded"
         )
     return {v: summarize(f, paths) for v, f in zip(variants, forwards, strict=True)}
+
+
+def window_value_summaries(
+    loaded, input_ids: torch.Tensor, variants, mode: str = "recompute", u=0.5, iters: int = 3
+) -> dict[str, ValueSummary]:
+    """variant -> :class:`ValueSummary` for one window (input_ids (1, N)): recompute mode runs the
+    model's own forward once (shared by every variant), swap mode one forward per variant."""
+    from attnlab.hf.interface import use_variant
+
+    paths = value_paths(loaded.model)
+    ids = input_ids.to(loaded.device)
+    with loaded.lock, torch.no_grad(), record_values(loaded.model, paths) as forwards:
+        if mode == "recompute":
+            loaded.model(input_ids=ids, use_cache=False)
+        else:
+            for v in variants:
+                with use_variant(loaded.model, v, u=u, iters=iters):
+                    loaded.model(input_ids=ids, use_cache=False)
+    return window_summaries(forwards, paths, tuple(variants), mode)
