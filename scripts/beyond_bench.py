@@ -107,7 +107,7 @@ def results(chars: int) -> None:
     print("notes:", fa.notes)
 
 
-def bench(repeat: int) -> None:
+def bench(repeat: int, interventions_too: bool = True) -> None:
     m = hf.load_model(None)
     text = data.load_corpus("kjv", max_chars=6000)
     ids = m.tokenizer(text, truncation=True, max_length=512, return_tensors="pt")["input_ids"]
@@ -149,6 +149,8 @@ def bench(repeat: int) -> None:
         f"{t_layer * 1e3:.0f} ms"
     )
     print(f"RSS after contributions: {_rss_mb():.0f} MB")
+    if not interventions_too:
+        return
     t_iv = _median(lambda: interventions.head_interventions(m, ids, "dnas"), max(1, repeat // 2))
     print(
         f"interventions, all {L * m.info.n_heads} heads to DNAS at 512 tokens: {t_iv:.1f} s "
@@ -168,8 +170,9 @@ def main() -> None:
     p.add_argument("part", choices=("results", "bench"))
     p.add_argument("--chars", type=int, default=4000, help="characters of the KJV corpus for results")
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--no-interventions", action="store_true", help="bench: skip the interventions and flow")
     a = p.parse_args()
-    results(a.chars) if a.part == "results" else bench(a.repeat)
+    results(a.chars) if a.part == "results" else bench(a.repeat, not a.no_interventions)
 
 
 if __name__ == "__main__":

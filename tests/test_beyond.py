@@ -95,7 +95,7 @@ def test_value_norms_and_gram_match_the_weights(arch):
         )  # (H, N, D)
         torch.testing.assert_close(summary.norms[layer], f.norm(dim=-1), rtol=1e-5, atol=1e-5)
         gram = torch.einsum("hnd,knd->nhk", f, f)
-        torch.testing.assert_close(summary.gram[layer], gram, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(summary.gram(layer), gram, rtol=1e-4, atol=1e-5)
 
 
 def test_a_model_without_a_readable_value_path_is_refused():

@@ -80,7 +80,7 @@ def layer_norms(w, variant: str, layer: int) -> torch.Tensor:
     L = w.weights[variant].shape[0]
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < L:
         raise ValueError(f"layer must be an integer in [0, {L - 1}], got {layer!r}")
-    return contributions.layer_contribution_norms(w.weights[variant][layer], values[variant].gram[layer])
+    return contributions.layer_contribution_norms(w.weights[variant][layer], values[variant].gram(layer))
 
 
 def with_contributions(w, kwargs: dict, frame):

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -186,26 +186,43 @@ def head_outputs(values: torch.Tensor, path: ValuePath) -> torch.Tensor:
     return torch.einsum("bnhd,hdm->bhnm", v, w)  # (B, H, N, D)
 
 
+def head_output_norms(values: torch.Tensor, path: ValuePath) -> torch.Tensor:
+    """||f_h(x_j)|| without forming f: values (B, N, H_kv, Dh) -> (B, H, N).
+
+    ||v W_O,h||^2 = v^T (W_O,h W_O,h^T) v, with the (Dh, Dh) matrix of each head: N H Dh^2 work instead
+    of N H Dh D for the vectors themselves (Kobayashi et al. 2020, Eq. (6)).
+    """
+    rep = path.n_heads // path.n_kv_heads
+    v = values.float().repeat_interleave(rep, dim=2)  # (B, N, H, Dh)
+    w = path.per_head().to(v.device, v.dtype)  # (H, Dh, D)
+    gram_w = torch.matmul(w, w.transpose(-1, -2))  # (H, Dh, Dh)
+    sq = (torch.einsum("bnhd,hde->bnhe", v, gram_w) * v).sum(-1)  # (B, N, H)
+    return sq.clamp_min_(0.0).sqrt_().transpose(1, 2)
+
+
 @dataclass(frozen=True)
 class ValueSummary:
     """What the contribution measures need of one forward's values (one window, B = 1)."""
 
     norms: torch.Tensor  # (L, H, N) ||f_h(x_j)||
-    gram: torch.Tensor  # (L, N, H, H) f_h(x_j) . f_k(x_j), for the layer-level norm
+    values: torch.Tensor  # (L, N, H_kv, Dh) the recorded values, for the layer-level norm
+    paths: tuple = field(repr=False, compare=False, default=())  # ValuePath per layer
+
+    def gram(self, layer: int) -> torch.Tensor:
+        """(N, H, H) f_h(x_j) . f_k(x_j) of one layer (computed on demand from the values)."""
+        from attnlab import contributions
+
+        f = head_outputs(self.values[layer][None], self.paths[layer])[0]  # (H, N, D)
+        return contributions.value_gram(f)
 
 
 def summarize(values: list[torch.Tensor], paths: list[ValuePath]) -> ValueSummary:
-    """Norms and Gram matrices (on the CPU) from one forward's values, a (1, N, H_kv, Dh) tensor per layer."""
-    from attnlab import contributions
-
+    """Norms (and the values, on the CPU) from one forward's values, a (1, N, H_kv, Dh) tensor per layer."""
     if len(values) != len(paths):
         raise ValueError(f"values were recorded for {len(values)} layers, the model has {len(paths)}")
-    norms, grams = [], []
-    for v, path in zip(values, paths, strict=True):
-        f = head_outputs(v, path)[0]  # (H, N, D)
-        norms.append(contributions.value_norms(f).cpu())
-        grams.append(contributions.value_gram(f).cpu())
-    return ValueSummary(norms=torch.stack(norms), gram=torch.stack(grams))
+    norms = [head_output_norms(v, path)[0].cpu() for v, path in zip(values, paths, strict=True)]
+    stacked = torch.stack([v[0].detach().float().cpu() for v in values])  # (L, N, H_kv, Dh)
+    return ValueSummary(norms=torch.stack(norms), values=stacked, paths=tuple(paths))
 
 
 def window_summaries(
