@@ -43,7 +43,9 @@ def _norms(key: str, _view: WindowView) -> dict[str, torch.Tensor]:
     s = _view.settings
     loaded = _hf_model(_view)
     ids = torch.tensor([_view.input_ids])
-    summaries = values.window_value_summaries(loaded, ids, tuple(_view.weights), s.mode, s.u, s.iters)
+    summaries = values.window_value_summaries(
+        loaded, ids, tuple(_view.weights), s.mode, {"u": s.u, "iters": s.iters}
+    )
     return {v: summaries[v].norms for v in _view.weights}
 
 

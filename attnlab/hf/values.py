@@ -243,11 +243,13 @@ def window_summaries(
 
 
 def window_value_summaries(
-    loaded, input_ids: torch.Tensor, variants, mode: str = "recompute", u=0.5, iters: int = 3
+    loaded, input_ids: torch.Tensor, variants, mode: str = "recompute", params=None
 ) -> dict[str, ValueSummary]:
     """variant -> :class:`ValueSummary` for one window (input_ids (1, N)): recompute mode runs the
-    model's own forward once (shared by every variant), swap mode one forward per variant."""
+    model's own forward once (shared by every variant), swap mode one forward per variant with
+    ``params`` (any variant's parameters, e.g. {"u": 0.5, "iters": 3}; each takes its own)."""
     from attnlab.hf.interface import use_variant
+    from attnlab.hf.variant_params import variant_kwargs
 
     paths = value_paths(loaded.model)
     ids = input_ids.to(loaded.device)
@@ -256,6 +258,6 @@ def window_value_summaries(
             loaded.model(input_ids=ids, use_cache=False)
         else:
             for v in variants:
-                with use_variant(loaded.model, v, u=u, iters=iters):
+                with use_variant(loaded.model, v, **variant_kwargs(v, params, causal=loaded.info.causal)):
                     loaded.model(input_ids=ids, use_cache=False)
     return window_summaries(forwards, paths, tuple(variants), mode)
