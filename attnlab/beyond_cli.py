@@ -151,17 +151,27 @@ def finish(args, stream, result, tmp: Path) -> tuple[list[str], list[str], dict]
     if args.interventions:
         model = getattr(args, "_lm", None) or stream.loaded
         ids = torch.tensor([result.window.input_ids])
-        res = interventions.head_interventions(model, ids, args.interventions, progress=not args.quiet)
+        res = interventions.head_interventions(
+            model, ids, args.interventions, _scalars(stream.params), progress=not args.quiet
+        )
         res.table().to_csv(tmp / "interventions.csv", index=False)
         written.append("interventions.csv")
         figures["interventions"] = fig.intervention_heatmap(res.measures, args.interventions).figure
     if args.faithfulness:
-        res = faithfulness.faithfulness(stream.loaded, result.window, stream.variants)
+        given = _scalars(stream.params)
+        res = faithfulness.faithfulness(
+            stream.loaded, result.window, stream.variants, dict.fromkeys(stream.variants, given)
+        )
         res.table.to_csv(tmp / "faithfulness.csv", index=False)
         written.append("faithfulness.csv")
         notes += res.notes
         figures["faithfulness"] = fig.faithfulness_bars(res.table).figure
     return written, notes, figures
+
+
+def _scalars(params) -> dict:
+    """The variant parameters given as numbers (a per-head u tensor applies to the analysis only)."""
+    return {k: v for k, v in (params or {}).items() if not hasattr(v, "shape")}
 
 
 def manifest_settings(args) -> dict:

@@ -158,7 +158,7 @@ def test_contribution_statistics_by_hand():
 def test_analyze_with_contributions_for_every_variant(tiny_model_dir, arch, mode):
     loaded = hf.load_model(tiny_model_dir(arch))
     result = hf.analyze(
-        "Attention lets every word look at every other word.", loaded, mode=mode, contributions=True
+        "Attention lets every word look at every other word.", loaded, VARIANTS, mode=mode, contributions=True
     )
     w = result.windows[0]
     assert set(w.values) == set(VARIANTS)
@@ -177,7 +177,7 @@ def test_analyze_with_contributions_for_every_variant(tiny_model_dir, arch, mode
     else:
         with pytest.raises(ValueError, match="swap mode"):
             _ = result.value_norms
-    plain = hf.analyze("Attention lets every word look at every other word.", loaded, mode=mode)
+    plain = hf.analyze("Attention lets every word look at every other word.", loaded, VARIANTS, mode=mode)
     with pytest.raises(ValueError, match="contributions=True"):
         _ = plain.contribution_mass
     assert len(plain.table()) + len(VARIANTS) * 8 * len(contributions.CONTRIBUTION_STATISTICS) == len(table)
@@ -205,7 +205,7 @@ def test_sink_statistics_by_hand():
 
 
 def test_sinks_for_every_variant_on_real_text(minilm):
-    result = hf.analyze("The sink takes the mass, and the rest is spread out.", minilm)
+    result = hf.analyze("The sink takes the mass, and the rest is spread out.", minilm, VARIANTS)
     table = result.windows[0].sinks()
     assert set(table.variant) == set(VARIANTS)
     assert set(table.statistic) == set(sinks.SINK_STATISTICS)

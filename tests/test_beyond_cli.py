@@ -27,6 +27,7 @@ def _src(tmp_path: Path, text: str = TEXT) -> Path:
     return src
 
 
+@pytest.mark.slow
 def test_every_beyond_output_is_written_and_listed(tmp_path, capsys, tiny_model_dir):
     out = tmp_path / "out"
     rc, err = _run(
@@ -39,6 +40,8 @@ def test_every_beyond_output_is_written_and_listed(tmp_path, capsys, tiny_model_
             "--quiet",
             "--formats",
             "none",
+            "--variants",
+            ",".join(VARIANTS),
             "--contributions",
             "--sinks",
             "--flow",

@@ -158,7 +158,7 @@ def test_intervention_bad_inputs(tiny_model_dir, lm_dirs):
         iv.head_interventions(enc, TEXT, "softmax")
     with pytest.raises(ValueError, match="batch_size"):
         iv.head_interventions(enc, TEXT, "dnas", batch_size=0)
-    with pytest.raises(ValueError, match="params"):
+    with pytest.raises(ValueError, match=r"u must be a number in \[0, 1\]"):
         iv.head_interventions(enc, TEXT, "hnas", {"u": 2.0})
     with pytest.raises(ValueError, match="empty"):
         iv.head_interventions(enc, "   ", "dnas")
