@@ -36,6 +36,17 @@ def _md(df) -> str:
     return "\n".join(lines)
 
 
+def _interleaved(fns, repeat: int) -> list[float]:
+    """Median seconds of each function, timed round by round (one call of each per round)."""
+    times = [[] for _ in fns]
+    for _ in range(repeat):
+        for t_list, fn in zip(times, fns, strict=True):
+            t = time.perf_counter()
+            fn()
+            t_list.append(time.perf_counter() - t)
+    return [statistics.median(t) for t in times]
+
+
 def _median(fn, repeat: int) -> float:
     times = []
     for _ in range(repeat):
@@ -131,7 +142,7 @@ def bench(repeat: int, interventions_too: bool = True) -> None:
         values.summarize(fw[0], paths)
 
     plain()
-    t_plain, t_cap, t_val = (_median(f, repeat) for f in (plain, capture, capture_values))
+    t_plain, t_cap, t_val = _interleaved((plain, capture, capture_values), repeat)
     print(
         f"plain forward {t_plain * 1e3:.0f} ms; q/k capture forward {t_cap * 1e3:.0f} ms; "
         f"with values + norms + Gram {t_val * 1e3:.0f} ms"
