@@ -141,8 +141,18 @@ def bench(repeat: int, interventions_too: bool = True) -> None:
             net(input_ids=ids)
         values.summarize(fw[0], paths)
 
+    with torch.no_grad(), values.record_values(net, paths) as recorded:
+        net(input_ids=ids)
+
+    def norms_only():
+        values.summarize(recorded[0], paths)
+
     plain()
-    t_plain, t_cap, t_val = _interleaved((plain, capture, capture_values), repeat)
+    t_plain, t_cap, t_val, t_norms = _interleaved((plain, capture, capture_values, norms_only), repeat)
+    print(
+        f"value norms alone (values.summarize): {t_norms * 1e3:.0f} ms = "
+        f"{t_norms / t_plain:.3f}x a plain forward"
+    )
     print(
         f"plain forward {t_plain * 1e3:.0f} ms; q/k capture forward {t_cap * 1e3:.0f} ms; "
         f"with values + norms + Gram {t_val * 1e3:.0f} ms"

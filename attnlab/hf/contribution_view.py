@@ -46,7 +46,9 @@ def recording(stream) -> Iterator[_Record]:
         yield _Record()
         return
     loaded = stream.loaded
-    paths = value_paths(loaded.model)
+    paths = getattr(stream, "_value_paths", None)
+    if paths is None:  # once per stream: the output projections' per-head Gram matrices
+        paths = stream._value_paths = value_paths(loaded.model)
     with loaded.lock, record_values(loaded.model, paths) as forwards:  # no other thread's forward
         yield _Record(forwards, paths, stream.variants, stream.mode)
 

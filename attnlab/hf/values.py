@@ -54,10 +54,11 @@ class ValuePath:
     n_heads: int  # H
     n_kv_heads: int  # H_kv (values shared by H / H_kv query heads)
     head_dim: int  # Dh
+    out_gram: torch.Tensor  # (H, Dh, Dh) W_O,h W_O,h^T per head: ||v W_O,h||^2 = v^T out_gram[h] v
 
     def per_head(self) -> torch.Tensor:
-        """W_O split per query head: (H, Dh, D)."""
-        return self.w_out.reshape(self.n_heads, self.head_dim, -1)
+        """W_O split per query head: (H, Dh, D) (a view of the weight)."""
+        return self.w_out.unflatten(0, (self.n_heads, self.head_dim))
 
 
 def _linear_w(module) -> torch.Tensor | None:
@@ -135,7 +136,9 @@ def value_paths(model) -> list[ValuePath]:
                 f"{type(model).__name__} layer {name}: output projection takes {w_out.shape[0]} inputs, "
                 f"expected {H} heads x {Dh} = {H * Dh}"
             )
-        paths.append(ValuePath(len(paths), name, v_module, cols, w_out, H, H_kv, Dh))
+        per_head = w_out.unflatten(0, (H, Dh))  # (H, Dh, D)
+        out_gram = torch.matmul(per_head, per_head.transpose(-1, -2)).float()  # (H, Dh, Dh)
+        paths.append(ValuePath(len(paths), name, v_module, cols, w_out, H, H_kv, Dh, out_gram))
     if not paths:
         raise UnsupportedModelError(
             f"{type(model).__name__} has no attention module attnlab can read values from (known: "
@@ -186,18 +189,19 @@ def head_outputs(values: torch.Tensor, path: ValuePath) -> torch.Tensor:
     return torch.einsum("bnhd,hdm->bhnm", v, w)  # (B, H, N, D)
 
 
-def head_output_norms(values: torch.Tensor, path: ValuePath) -> torch.Tensor:
-    """||f_h(x_j)|| without forming f: values (B, N, H_kv, Dh) -> (B, H, N).
+def head_output_norms(values: torch.Tensor, paths: list[ValuePath]) -> torch.Tensor:
+    """||f_h(x_j)|| of every layer without forming f: values (L, B, N, H_kv, Dh) -> (L, B, H, N).
 
-    ||v W_O,h||^2 = v^T (W_O,h W_O,h^T) v, with the (Dh, Dh) matrix of each head: N H Dh^2 work instead
-    of N H Dh D for the vectors themselves (Kobayashi et al. 2020, Eq. (6)).
+    ||v W_O,h||^2 = v^T (W_O,h W_O,h^T) v, with one (Dh, Dh) matrix per head: N H Dh^2 work instead of
+    N H Dh D for the vectors themselves (Kobayashi et al. 2020, Eq. (6)); one einsum for all layers.
     """
-    rep = path.n_heads // path.n_kv_heads
-    v = values.float().repeat_interleave(rep, dim=2)  # (B, N, H, Dh)
-    w = path.per_head().to(v.device, v.dtype)  # (H, Dh, D)
-    gram_w = torch.matmul(w, w.transpose(-1, -2))  # (H, Dh, Dh)
-    sq = (torch.einsum("bnhd,hde->bnhe", v, gram_w) * v).sum(-1)  # (B, N, H)
-    return sq.clamp_min_(0.0).sqrt_().transpose(1, 2)
+    rep = paths[0].n_heads // paths[0].n_kv_heads
+    v = values.float()
+    if rep > 1:  # grouped-query attention: value head g serves query heads g * rep ... (g + 1) * rep - 1
+        v = v.repeat_interleave(rep, dim=3)  # (L, B, N, H, Dh)
+    out_gram = torch.stack([p.out_gram for p in paths]).to(v.device, v.dtype)  # (L, H, Dh, Dh)
+    sq = torch.einsum("lbnhd,lhde,lbnhe->lbhn", v, out_gram, v)
+    return sq.clamp_min_(0.0).sqrt_()
 
 
 @dataclass(frozen=True)
@@ -220,9 +224,9 @@ def summarize(values: list[torch.Tensor], paths: list[ValuePath]) -> ValueSummar
     """Norms (and the values, on the CPU) from one forward's values, a (1, N, H_kv, Dh) tensor per layer."""
     if len(values) != len(paths):
         raise ValueError(f"values were recorded for {len(values)} layers, the model has {len(paths)}")
-    norms = [head_output_norms(v, path)[0].cpu() for v, path in zip(values, paths, strict=True)]
-    stacked = torch.stack([v[0].detach().float().cpu() for v in values])  # (L, N, H_kv, Dh)
-    return ValueSummary(norms=torch.stack(norms), values=stacked, paths=tuple(paths))
+    stacked = torch.stack(values)  # (L, 1, N, H_kv, Dh)
+    norms = head_output_norms(stacked, paths)[:, 0]  # (L, H, N)
+    return ValueSummary(norms=norms.cpu(), values=stacked[:, 0].float().cpu(), paths=tuple(paths))
 
 
 def window_summaries(
