@@ -111,9 +111,10 @@ def results(chars: int) -> None:
     print(
         f"  median head: {float(pooled.median()):.5f}; max/median {float(pooled.max() / pooled.median()):.1f}"
     )
-    short = text.split("\n")[0][:400]
+    lines = [line for line in text.split("\n") if line.strip()]
+    short = " ".join(lines[1:3])  # Genesis 1:2-3 (docs/RESULTS.md)
     fa = faithfulness.faithfulness(m, short)
-    print(f"\nfaithfulness on the first verse ({fa.table.n_tokens.iloc[0]} tokens):")
+    print(f"\nfaithfulness on Genesis 1:2-3 ({fa.table.n_tokens.iloc[0]} tokens):")
     print(_md(fa.table.pivot(index="variant", columns="measure", values="tau")))
     print("notes:", fa.notes)
 
