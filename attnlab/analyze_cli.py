@@ -100,6 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where the model runs: auto (a GPU when there is one, else the CPU), cpu, cuda, cuda:N "
         "(default: auto)")
     add("--quiet", action="store_true", help="no progress bar or notes on stderr")
+    from attnlab import beyond_cli  # --contributions, --sinks, --flow, --interventions, --faithfulness
+
+    beyond_cli.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -197,6 +200,9 @@ def _run(args) -> int:
         raise InputError(f"--threads must be >= 1, got {args.threads}")
     if not 0.0 < args.max_mb < float("inf"):  # NaN fails too
         raise InputError(f"--max-mb must be a finite number > 0, got {args.max_mb:g}")
+    from attnlab import beyond_cli
+
+    beyond_cli.check(args, InputError)
     text, size, file_sha256 = read_text(args.file, args.max_mb)
     out = _output_dir(args)
 
@@ -215,10 +221,12 @@ def _run(args) -> int:
     if u is not None:
         params["u"] = u
     stream = hf.stream_analysis(
-        text, loaded, variants, args.mode, window=args.window, overlap=args.overlap, **params
+        text, loaded, variants, args.mode, window=args.window, overlap=args.overlap,
+        contributions=args.contributions, **params
     )
     if u_note:
         stream.notes.append(u_note)
+    stream.notes += beyond_cli.preflight(args, stream, InputError) if beyond_cli.requested(args) else []
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
@@ -271,7 +279,7 @@ def _write_all(args, stream, tmp: Path, formats) -> tuple[list[str], list[str]]:
     import numpy as np
     from tqdm.auto import tqdm
 
-    from attnlab import stats
+    from attnlab import beyond_cli, stats
 
     notes = list(stream.notes)
     written: list[str] = []
@@ -315,6 +323,7 @@ def _write_all(args, stream, tmp: Path, formats) -> tuple[list[str], list[str]]:
                 written.append(name)
             if i == 0:
                 first["result"] = result
+            written.extend(beyond_cli.per_window(args, result, tmp, i == 0))
             yield table
 
     summary = stats.aggregate_windows(tables())
@@ -323,8 +332,13 @@ def _write_all(args, stream, tmp: Path, formats) -> tuple[list[str], list[str]]:
     _write_json(tmp / "summary.json", summary.to_dict(orient="records"))
     _write_json(tmp / "tokens.json", {"windowing": stream.windowing.as_dict(), "windows": tokens})
     written += ["summary.csv", "summary.json", "tokens.json"]
+    more, more_notes, more_figures = beyond_cli.finish(args, stream, first["result"], tmp)
+    written += more
+    notes += more_notes
     if not args.no_figures:
-        figs, fig_notes = _write_figures(tmp / "figures", first["result"], summary, stream, formats)
+        figs, fig_notes = _write_figures(
+            tmp / "figures", first["result"], summary, stream, formats, more_figures
+        )
         written += figs
         notes += fig_notes
     return written, notes
@@ -366,7 +380,9 @@ def _figures(result, summary, stream) -> dict:
     return out
 
 
-def _write_figures(directory: Path, result, summary, stream, static) -> tuple[list[str], list[str]]:
+def _write_figures(
+    directory: Path, result, summary, stream, static, extra=None
+) -> tuple[list[str], list[str]]:
     """HTML always (sharing one figures/plotly.min.js, so they open offline); ``static`` formats
     (png/svg/pdf) when Chromium is available, else a note."""
     from plotly.offline import get_plotlyjs
@@ -381,7 +397,7 @@ def _write_figures(directory: Path, result, summary, stream, static) -> tuple[li
     (directory / "plotly.min.js").write_text(get_plotlyjs(), encoding="utf-8")
     written = ["figures/plotly.min.js"]
     failed = []
-    for name, fig in _figures(result, summary, stream).items():
+    for name, fig in {**_figures(result, summary, stream), **(extra or {})}.items():
         for fmt in ("html", *static):
             try:
                 export_figure(fig, directory / f"{name}.{fmt}", include_plotlyjs="directory")
@@ -399,6 +415,7 @@ def _manifest(args, stream, size: int, file_sha256: str, written: list[str], not
     import transformers
 
     import attnlab
+    from attnlab import beyond_cli
 
     u = stream.u
     return {
@@ -421,6 +438,7 @@ def _manifest(args, stream, size: int, file_sha256: str, written: list[str], not
             "params": {k: v.tolist() if hasattr(v, "tolist") else v for k, v in stream.params.items()},
             "weights": args.weights,
             "device": str(stream.device),
+            "beyond": beyond_cli.manifest_settings(args),
         },
         "windowing": stream.windowing.as_dict(),
         "files": ["manifest.json", *written],

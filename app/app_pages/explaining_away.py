@@ -2,6 +2,7 @@
 which tokens fall below a threshold ε of the average key (DESIGN.md §4)."""
 
 import streamlit as st
+from appkit import beyond
 from appkit.analysis import settings_input, text_input, window_view
 from appkit.show import show
 
@@ -51,7 +52,12 @@ st.caption(
     f"A key is ε-explained away when m_j · N / M < {eps:g}, i.e. it gets less than {eps:.0%} of "
     "what an average key gets."
 )
-show(P, "explained_away", "explained_away", view, {"eps": eps, "variants": variants}, text=text)
+by = st.segmented_control("Explained away by", beyond.BY, default="weight", key=f"{P}_by", required=True)
+no_sinks = st.toggle("Exclude sink keys (first position, special tokens)", key=f"{P}_no_sinks")
+if by == "weight" and not no_sinks:
+    show(P, "explained_away", "explained_away", view, {"eps": eps, "variants": variants}, text=text)
+else:  # attnlab.contributions / attnlab.sinks: c_j = m_j ||f(x_j)||, rows renormalized without sinks
+    beyond.explained_away(P, view, eps, by, no_sinks)
 
 st.subheader("Most explained-away tokens")
 a, b = st.columns(2)

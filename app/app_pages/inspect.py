@@ -2,6 +2,7 @@
 shaded by the attention they receive, and the layer x head grid."""
 
 import streamlit as st
+from appkit import beyond
 from appkit.analysis import settings_input, text_input, window_view
 from appkit.show import show
 
@@ -65,3 +66,6 @@ show(
 
 st.subheader("Every layer and head")
 show(P, "grid", "grid", view, {"variant": variant, "max_tokens": 48}, text=text)
+
+st.subheader("Rollout and attention flow")
+beyond.rollout_and_flow(P, view, variant)

@@ -18,6 +18,7 @@ from itertools import islice
 
 import torch
 
+from attnlab.hf import contribution_view
 from attnlab.hf.interface import DEFAULT_U
 from attnlab.hf.loading import LoadedModel, ModelInfo, model_on
 from attnlab.hf.native import NativeModel, learned_u, native_weights
@@ -63,6 +64,30 @@ class WindowResult:
     # special-key masks they cover, the weights' (id, version) when computed). Used by ``table``
     # while the weights are those very tensors, unchanged.
     _sums: tuple | None = field(default=None, repr=False, compare=False)
+    # variant -> value norms and Gram matrices (attnlab.hf.values.ValueSummary), with contributions=True
+    values: dict | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def value_norms(self) -> torch.Tensor:
+        """(L, H, N) ||f_h(x_j)|| (Kobayashi et al. 2020); analyse with ``contributions=True``."""
+        return contribution_view.value_norms(self)
+
+    @property
+    def contribution_mass(self) -> dict[str, torch.Tensor]:
+        """variant -> (L, H, N) c_j = sum_i pi_ij ||f_h(x_j)|| (``attnlab.contributions``)."""
+        return contribution_view.contribution_mass(self)
+
+    def layer_contribution_norms(self, variant: str, layer: int) -> torch.Tensor:
+        """(N, N) ||sum_h pi^h_ij f_h(x_j)|| of one layer, computed in blocks of rows."""
+        return contribution_view.layer_norms(self, variant, layer)
+
+    def sinks(self, which: str = "first+special", eps: float = 0.01, eps_relative: float = 0.1):
+        """Tidy sink statistics (``attnlab.sinks.SINK_STATISTICS``): sink mass per layer and head and
+        the column-mass statistics with the sink keys excluded (rows renormalized)."""
+        from attnlab import sinks
+
+        return sinks.sink_table(self.weights, self.special, which=which, eps=eps, eps_relative=eps_relative,
+                                window=self.index)
 
     @property
     def index(self) -> int:
@@ -98,12 +123,13 @@ class WindowResult:
         if cached is not None:
             sums, index = cached
             w = next(iter(self.weights.values()))
-            return stats._tidy_from_row_sums(
+            return contribution_view.with_contributions(self, kwargs, stats._tidy_from_row_sums(
                 sums, tuple(w.shape), special_index=index, u=kwargs["u"], eps=kwargs.get("eps", 0.01),
                 eps_relative=kwargs.get("eps_relative", 0.1), reference=kwargs.get("reference", "unas"),
                 window=self.index,
-            )
-        return stats.tidy_table(self.weights, special=special, window=self.index, **kwargs)
+            ))
+        return contribution_view.with_contributions(
+            self, kwargs, stats.tidy_table(self.weights, special=special, window=self.index, **kwargs))
 
     def _cached_sums(self, special: torch.Tensor, reference):
         """(row sums, index of ``special`` among their key masks) when they describe the current
@@ -181,6 +207,16 @@ class AnalysisResult:
         """variant -> {map: (L, H, N, N)} of a GAM checkpoint, single window (see WindowResult)."""
         return self._single("components").components
 
+    @property
+    def value_norms(self) -> torch.Tensor:
+        """(L, H, N) value norms of the single window (``contributions=True``)."""
+        return self._single("value_norms").value_norms
+
+    @property
+    def contribution_mass(self) -> dict[str, torch.Tensor]:
+        """variant -> (L, H, N) contribution masses of the single window (``contributions=True``)."""
+        return self._single("contribution_mass").contribution_mass
+
     def table(self, **kwargs):
         """Tidy statistics, one row per window/variant/layer/head/statistic (see WindowResult.table)."""
         import pandas as pd
@@ -247,6 +283,7 @@ class AnalysisStream:
     tokenized: TokenizedText  # the whole text's tokens (compact arrays)
     text_sha256: str
     notes: list[str]
+    contributions: bool = False  # also record value vectors (WindowResult.values)
 
     @property
     def u(self) -> float | torch.Tensor:
@@ -291,12 +328,13 @@ class AnalysisStream:
                                 components=components)
         special = torch.from_numpy(window.special)
         masks = [special | torch.from_numpy(window.punctuation), special]  # table()'s two choices
-        weights, sums = window_weights_and_sums(
-            self.loaded, ids, self.variants, self.mode, self.params, masks
-        )
+        with contribution_view.recording(self) as record:
+            weights, sums = window_weights_and_sums(
+                self.loaded, ids, self.variants, self.mode, self.params, masks
+            )
         weights = {v: w[:, 0] for v, w in weights.items()}
         cache = None if sums is None else (sums, masks, _fingerprint(weights))
-        return WindowResult(window=window, weights=weights, u=self.u, _sums=cache)
+        return WindowResult(window=window, weights=weights, u=self.u, _sums=cache, values=record.values())
 
     def collect(self, progress: bool = False) -> AnalysisResult:
         """Run every window and keep the results."""
@@ -334,6 +372,7 @@ def stream_analysis(
     window: int | None = None,
     overlap: int | None = None,
     device=None,
+    contributions: bool = False,
     **params,
 ) -> AnalysisStream:
     """Plan the analysis of ``text`` (tokenize, cut into windows) without running the model yet.
@@ -379,6 +418,7 @@ def stream_analysis(
         tokenized=tokenized,
         text_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
         notes=notes,
+        contributions=contribution_view.check_flag(contributions, loaded),
     )
 
 
@@ -394,6 +434,7 @@ def analyze(
     overlap: int | None = None,
     progress: bool = False,
     device=None,
+    contributions: bool = False,
     **params,
 ) -> AnalysisResult:
     """Attention weights of every variant on a real model, for every layer and head.
@@ -419,11 +460,13 @@ def analyze(
             ``"auto"`` (CUDA when available). A model on another device is loaded there once (cached).
             ValueError naming ``device`` when CUDA is asked for but unavailable. Weights and
             statistics come back on the CPU either way; ``.device`` says where the model ran.
+        contributions: also record each layer's value vectors (``attnlab.hf.values``): the windows get
+            ``value_norms``, ``contribution_mass`` and contribution statistics in ``table()``.
 
     Returns:
         :class:`AnalysisResult`; ``.weights[variant]`` is (L, H, N, N) for a single-window text; for
         a GAM checkpoint ``.components[variant]`` holds its maps Phi, Theta and each brain's.
     """
     stream = stream_analysis(text, model, variants, mode, u, iters, window=window, overlap=overlap,
-                             device=device, **params)
+                             device=device, contributions=contributions, **params)
     return stream.collect(progress=progress)

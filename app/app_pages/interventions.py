@@ -1,0 +1,51 @@
+"""Interventions: swap one head's normalizer at a time and see how much the output changes (L × H
+map); pick a cell to compare that head's map before (the model's softmax) and after the swap."""
+
+import streamlit as st
+from appkit.analysis import Settings, settings_input, text_input, window_view
+from appkit.beyond import intervention_result
+from appkit.show import CHART_CONFIG, show_bundle
+
+import attnlab
+from attnlab.figures import attention_heatmap
+from attnlab.figures import beyond as figs
+
+P = "interventions"
+
+st.title("Interventions: where does explaining away matter?")
+st.caption(
+    "Each cell: the model with only that head's normalizer replaced by the chosen variant. Encoders: "
+    "cosine distance of the final hidden states (mean over tokens) and of the mean-pooled embedding; "
+    "causal LMs: change of the text's log-likelihood per token (nats)."
+)
+text = text_input(P)
+base = settings_input(P, variants=False)
+variant = st.selectbox("Swap each head to", [v for v in attnlab.VARIANTS if v != "unas"], key=f"{P}_variant")
+settings = Settings(base.source, tuple(dict.fromkeys(("unas", variant))), "recompute", base.u, base.iters)
+view = window_view(P, settings, text)
+L, H, N = view.shape
+try:
+    result = intervention_result(view.key, variant, view)
+except ValueError as e:
+    st.warning(str(e))
+    st.stop()
+bundle = figs.intervention_heatmap(result.measures, variant)
+event = st.plotly_chart(
+    bundle.figure, key=f"{P}_map", on_select="rerun", selection_mode="points", theme=None, config=CHART_CONFIG
+)
+if st.toggle("Export the map", key=f"{P}_export_toggle"):
+    show_bundle(P, "map_export", bundle)
+points = event.selection.points if event is not None else []
+if points:  # a clicked cell picks the head below
+    st.session_state[f"{P}_layer"], st.session_state[f"{P}_head"] = int(points[0]["y"]), int(points[0]["x"])
+a, b = st.columns(2)
+layer = a.number_input("Layer", 0, L - 1, key=f"{P}_layer")
+head = b.number_input("Head", 0, H - 1, key=f"{P}_head")
+before, after = st.columns(2)
+for col, name, title in ((before, "unas", "before (softmax)"), (after, variant, f"after ({variant})")):
+    with col:
+        fig = attention_heatmap(
+            view.weights[name][layer, head], view.tokens, title=f"Layer {layer}, head {head}: {title}"
+        )
+        st.plotly_chart(fig, key=f"{P}_{name}_map", theme=None, config=CHART_CONFIG)
+st.dataframe(result.table(), hide_index=True, key=f"{P}_table")

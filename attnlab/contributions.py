@@ -1,0 +1,232 @@
+"""Contribution norms: how much each key *contributes* to the attention output, not only how much
+weight it gets (Kobayashi et al. 2020, "Attention is Not Only a Weight: Analyzing Transformers with
+Vector Norms"). Pure functions on tensors.
+
+Notation as in ``attnlab.stats``; f_h(x_j) = (x_j W_V,h + b_V,h) W_O,h (D,) is key j's value vector
+in head h carried through the head's slice of the output projection (``attnlab.hf.values``).
+
+    value_norms               ||f_h(x_j)||                                     (..., H, N)
+    value_gram                G_j[h, k] = f_h(x_j) . f_k(x_j)                   (..., N, H, H)
+    contribution_mass         c_j = sum_i pi_ij ||f_h(x_j)||                    (..., H, N)
+    layer_contribution_norms  ||sum_h pi^h_ij f_h(x_j)|| (Kobayashi Eq. (7))    (..., M, N)
+    contribution_statistics   the explained-away rule of ``attnlab.stats`` on c~_j = c_j M / sum_j c_j
+
+The layer-level norm uses ||sum_h a_h f_h||^2 = a^T G_j a (a_h = pi^h_ij), a block of query rows at a
+time: O(M N H^2) work and (rows, N, H) memory, never the (M, N, D) vectors of the layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from attnlab import stats
+
+__all__ = [
+    "CONTRIBUTION_STATISTICS",
+    "value_norms",
+    "value_gram",
+    "contribution_mass",
+    "relative_contribution",
+    "layer_contribution_norms",
+    "contribution_statistics",
+    "contribution_table",
+]
+
+# Rows of a block in ``layer_contribution_norms``: two (rows, N) float32 buffers, 256 KiB each at N = 512.
+BLOCK_ROWS = 128
+
+CONTRIBUTION_STATISTICS: dict[str, str] = {
+    "contribution_explained_away": "share of keys with c~_j < eps (c~_j = c_j M / sum_j c_j, "
+    "c_j = sum_i pi_ij ||f_h(x_j)||: contributions rescaled to the weights' total M)",
+    "contribution_explained_away_relative": "share of keys with c~_j N / M < eps_relative "
+    "(less than eps_relative of the average key's contribution)",
+    "contribution_gini": "Gini coefficient of the contribution masses c_j",
+    "away_by_weight_not_contribution": "share of keys explained away by weight (m_j N / M < eps_relative) "
+    "but not by contribution (c~_j N / M >= eps_relative)",
+}
+
+
+def _check(name: str, t, min_dim: int) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() < min_dim:
+        raise ValueError(f"{name} must have at least {min_dim} dims, got shape {tuple(t.shape)}")
+    if not t.is_floating_point():
+        raise ValueError(f"{name} must be floating point, got {t.dtype}")
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def value_norms(f: torch.Tensor) -> torch.Tensor:
+    """||f_h(x_j)||: f (..., H, N, D) -> (..., H, N)."""
+    return torch.linalg.vector_norm(_check("f", f, 3), dim=-1)
+
+
+def value_gram(f: torch.Tensor) -> torch.Tensor:
+    """Per token the Gram matrix of its head vectors: f (..., H, N, D) -> (..., N, H, H)."""
+    f = _check("f", f, 3)
+    return torch.einsum("...hnd,...knd->...nhk", f, f)
+
+
+def _check_pair(weights, norms) -> tuple[torch.Tensor, torch.Tensor]:
+    w = _check("weights", weights, 3)
+    n = _check("norms", norms, 2)
+    if n.shape != w.shape[:-2] + w.shape[-1:]:
+        raise ValueError(
+            f"norms must be weights' shape without the query dim, {tuple(w.shape[:-2] + w.shape[-1:])}, "
+            f"got {tuple(n.shape)}"
+        )
+    return w, n.to(w.device, w.dtype)
+
+
+def contribution_mass(weights: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+    """c_j = sum_i pi_ij ||f_h(x_j)||: weights (..., H, M, N), norms (..., H, N) -> (..., H, N).
+
+    The column mass of the norm-weighted attention (Kobayashi et al. 2020, Sec. 4: ||alpha f(x)||
+    summed over the queries); c_j = m_j ||f_h(x_j)||.
+    """
+    w, n = _check_pair(weights, norms)
+    return w.sum(-2) * n
+
+
+def relative_contribution(c: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """c~_j = c_j M / sum_j c_j (..., N): contributions on the scale of column masses (they sum to M
+    over the keys like m_j); 0 where every contribution is 0."""
+    total = c.sum(-1, keepdim=True)
+    return torch.where(total > 0, c * n_rows / torch.where(total > 0, total, 1.0), torch.zeros_like(c))
+
+
+def layer_contribution_norms(
+    weights: torch.Tensor, gram: torch.Tensor, block_rows: int = BLOCK_ROWS
+) -> torch.Tensor:
+    """||sum_h pi^h_ij f_h(x_j)|| of one layer (Kobayashi et al. 2020, Eq. (7) without the bias).
+
+    weights (..., H, M, N); gram (..., N, H, H) from :func:`value_gram`. Returns (..., M, N). Computed
+    as sqrt(a^T G_j a) with a = pi_{:, i, j}, ``block_rows`` query rows at a time: O(M N H^2) work,
+    (rows, N) scratch.
+    """
+    w = _check("weights", weights, 3)
+    g = _check("gram", gram, 3).to(w.device, w.dtype)
+    H, M, N = w.shape[-3:]
+    if g.shape[-3:] != (N, H, H) or g.shape[:-3] != w.shape[:-3]:
+        raise ValueError(
+            f"gram must be {tuple(w.shape[:-3]) + (N, H, H)} for weights {tuple(w.shape)}, "
+            f"got {tuple(g.shape)}"
+        )
+    if isinstance(block_rows, bool) or not isinstance(block_rows, int) or block_rows < 1:
+        raise ValueError(f"block_rows must be an integer >= 1, got {block_rows!r}")
+    out = w.new_empty(*w.shape[:-3], M, N)
+    # a^T G_j a = sum_h sum_k>=h (2 - [h = k]) G_j[h, k] pi^h_ij pi^k_ij: H (H + 1) / 2 elementwise
+    # passes over a block of rows (large vectorized ops, no tiny per-token matrix products)
+    coef = [(h, k, g[..., h, k] * (1.0 if h == k else 2.0)) for h in range(H) for k in range(h, H)]
+    for i0 in range(0, M, block_rows):
+        wb = w[..., i0 : i0 + block_rows, :]  # (..., H, R, N)
+        acc = torch.zeros_like(wb[..., 0, :, :])  # (..., R, N)
+        tmp = torch.empty_like(acc)
+        for h, k, c in coef:
+            torch.mul(wb[..., h, :, :], c[..., None, :], out=tmp)
+            acc.addcmul_(tmp, wb[..., k, :, :])
+        out[..., i0 : i0 + block_rows, :] = acc.clamp_min_(0.0).sqrt_()
+    return out
+
+
+def contribution_statistics(
+    weights: torch.Tensor, norms: torch.Tensor, eps: float = 0.01, eps_relative: float = 0.1
+) -> dict[str, torch.Tensor]:
+    """{statistic: (L, H)} of ``CONTRIBUTION_STATISTICS`` for weights (L, H, M, N), norms (L, H, N).
+
+    Every key is valid (one window, no padding); an empty window gives zeros.
+    """
+    w, n = _check_pair(weights, norms)
+    if w.dim() != 4:
+        raise ValueError(f"weights must be (L, H, M, N), got shape {tuple(w.shape)}")
+    L, H, M, N = w.shape
+    eps, eps_relative = stats._check_eps("eps", eps), stats._check_eps("eps_relative", eps_relative)
+    if not (M and N):
+        return {k: torch.zeros(L, H, dtype=torch.float64) for k in CONTRIBUTION_STATISTICS}
+    m = w.sum(-2)  # (L, H, N) column masses
+    c = m * n  # contribution masses
+    ct = relative_contribution(c, M)
+    rel = N / M
+    away_w = m * rel < eps_relative
+    away_c = ct * rel < eps_relative
+    mean = lambda b: b.to(torch.float64).mean(-1)  # noqa: E731
+    return {
+        "contribution_explained_away": mean(ct < eps),
+        "contribution_explained_away_relative": mean(away_c),
+        "contribution_gini": stats.gini(c).double(),
+        "away_by_weight_not_contribution": mean(away_w & ~away_c),
+    }
+
+
+def contribution_table(
+    weights: Mapping[str, torch.Tensor],
+    norms: Mapping[str, torch.Tensor],
+    *,
+    eps: float = 0.01,
+    eps_relative: float = 0.1,
+    window: int | None = None,
+):
+    """Tidy rows (variant, layer, head, statistic, value[, window]) of :func:`contribution_statistics`
+    for every variant of ``weights`` ({variant: (L, H, N, N)}), with ``norms`` {variant: (L, H, N)}
+    (the same tensor for every variant in recompute mode)."""
+    import pandas as pd
+
+    frames = []
+    for variant, w in weights.items():
+        if variant not in norms:
+            raise ValueError(f"norms has no entry for variant {variant!r} (has {sorted(norms)})")
+        st = contribution_statistics(w, norms[variant], eps, eps_relative)
+        L, H = w.shape[:2]
+        keys = list(st)
+        values = torch.stack([st[k].cpu() for k in keys], -1).numpy()  # (L, H, S)
+        frames.append(
+            pd.DataFrame(
+                {
+                    "variant": variant,
+                    "layer": np.repeat(np.arange(L), H * len(keys)),
+                    "head": np.tile(np.repeat(np.arange(H), len(keys)), L),
+                    "statistic": np.tile(np.asarray(keys, dtype=object), L * H),
+                    "value": values.reshape(-1).astype(np.float64),
+                }
+            )
+        )
+    frame = pd.concat(frames, ignore_index=True)
+    if window is not None:
+        frame["window"] = window
+    return frame
+
+
+def explained_away_fraction_by(
+    weights: torch.Tensor,
+    eps_relative: float = 0.1,
+    *,
+    norms: torch.Tensor | None = None,
+    exclude: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The relative explained-away fraction (share of keys with mass * N / M < eps_relative) of weights
+    (..., H, M, N) -> (..., H), by weight or, with ``norms`` (..., H, N), by contribution (c~_j), and
+    with ``exclude`` (bool (N,), e.g. ``attnlab.sinks.sink_keys``) over the remaining keys with rows
+    renormalized (``attnlab.sinks.sink_excluded_column_mass``)."""
+    from attnlab import sinks
+
+    eps_relative = stats._check_eps("eps_relative", eps_relative)
+    w = _check("weights", weights, 3)
+    M = w.shape[-2]
+    if exclude is None:
+        col, m_rows, keep = w.sum(-2), w.new_full(w.shape[:-2], float(M)), slice(None)
+    else:
+        col, kept = sinks.sink_excluded_column_mass(w, exclude)
+        m_rows, keep = kept.sum(-1).to(w.dtype), ~exclude.to(torch.bool).cpu()
+    n_keys = col.shape[-1]
+    if not n_keys:
+        return w.new_zeros(w.shape[:-2])
+    if norms is not None:
+        _check_pair(w, norms)
+        col = col * norms.to(w.device, w.dtype)[..., keep]
+        total = col.sum(-1, keepdim=True)
+        col = torch.where(total > 0, col * m_rows[..., None] / torch.where(total > 0, total, 1.0), 0.0)
+    rel = col * (n_keys / torch.where(m_rows > 0, m_rows, 1.0))[..., None]
+    return torch.where(m_rows > 0, (rel < eps_relative).to(w.dtype).mean(-1), 0.0)
