@@ -229,21 +229,23 @@ def _count(src: Source, loaded, settings: CorpusSettings, out: Path, progress: b
     counts = np.zeros(len(tokenizer), dtype=np.int64)
     documents, skipped = [], []
     bar = _bar(progress, None, "counting", "doc")
-    for doc in src:
-        n = 0
-        for part in doc.parts(settings.part_chars):
-            ids = tokenize_text(tokenizer, part).ids
-            if len(ids):
-                counts += np.bincount(ids, minlength=len(counts))[: len(counts)]
-            n += len(ids)
-        if n == 0:
-            skipped.append({"id": doc.id, "reason": "no tokens for this tokenizer"})
-            continue
-        documents.append({"index": len(documents), "id": doc.id, "tokens": n})
-        bar.update(1)
-        if settings.max_docs is not None and len(documents) >= settings.max_docs:
-            break
-    bar.close()
+    try:
+        for doc in src:
+            n = 0
+            for part in doc.parts(settings.part_chars):
+                ids = tokenize_text(tokenizer, part).ids
+                if len(ids):
+                    counts += np.bincount(ids, minlength=len(counts))[: len(counts)]
+                n += len(ids)
+            if n == 0:
+                skipped.append({"id": doc.id, "reason": "no tokens for this tokenizer"})
+                continue
+            documents.append({"index": len(documents), "id": doc.id, "tokens": n})
+            bar.update(1)
+            if settings.max_docs is not None and len(documents) >= settings.max_docs:
+                break
+    finally:
+        bar.close()
     skipped = src.skipped + skipped
     if not documents:
         reasons = "; ".join(f"{s['id']}: {s['reason']}" for s in skipped[:3])
@@ -317,20 +319,16 @@ def run_local(run: CorpusRun, progress: bool = False) -> dict:
     """Analyse the pending shards one after the other in this process; -> {"shards", "tokens", "s"}."""
     pending = run.pending()
     bar = Progress(run, pending, progress, "local")
-    counter = {"tokens": 0}
-
-    def count(n):
-        counter["tokens"] += n
-
+    tokens = 0
     t0 = time.perf_counter()
     try:
         for shard, docs in run.texts(pending):
-            before = counter["tokens"]
-            table = analyse_documents(run.loaded, docs, run.row_settings(), run.bins, on_window=count)
+            table, n_tokens = analyse_documents(run.loaded, docs, run.row_settings(), run.bins)
             write_shard(run.out, shard, table)
-            bar.shard_done(shard, counter["tokens"] - before)
+            tokens += n_tokens
+            bar.shard_done(shard, n_tokens)
     except BaseException:
         bar.close("interrupted")
         raise
     bar.close("analysed")
-    return {"shards": len(pending), "tokens": counter["tokens"], "s": time.perf_counter() - t0}
+    return {"shards": len(pending), "tokens": tokens, "s": time.perf_counter() - t0}

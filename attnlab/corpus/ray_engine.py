@@ -71,6 +71,12 @@ def connect(address: str | None, workers: int) -> Cluster:
             ray.init(num_cpus=workers, **kwargs)
         else:
             ray.init(address=address, **kwargs)
+    import logging
+
+    import ray.data
+
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
     gpus = float(ray.cluster_resources().get("GPU", 0.0))
     return Cluster(address, gpus, time.perf_counter() - t0)
 
@@ -98,12 +104,10 @@ class ShardAnalyzer:
         part_chars = self.settings["part_chars"]
         for shard, docs_json in zip(batch["shard"], batch["docs"], strict=True):
             docs = [(i, doc_id, split_parts(text, part_chars)) for i, doc_id, text in json.loads(docs_json)]
-            counter = [0]
-            table = analyse_documents(self.loaded, docs, self.settings, self.bins,
-                                      on_window=lambda n: counter.__setitem__(0, counter[0] + n))
+            table, n_tokens = analyse_documents(self.loaded, docs, self.settings, self.bins)
             write_shard(self.out, int(shard), table)
             shards.append(int(shard))
-            tokens.append(counter[0])
+            tokens.append(n_tokens)
             pids.append(os.getpid())
         return {"shard": shards, "tokens": tokens, "pid": pids}
 
@@ -150,7 +154,7 @@ def run_ray(run, cluster: Cluster, workers: int, progress: bool = False, threads
         bar.close("interrupted")
         raise
     bar.close("analysed")
-    missing = [k for k in pending if k not in done or not run.pending() == [] and k in run.pending()]
+    missing = run.pending()
     if missing:
         raise RuntimeError(f"Ray finished without shards {missing[:5]}; run the same command again")
     return {"shards": len(pending), "tokens": tokens, "s": time.perf_counter() - t0,

@@ -72,7 +72,8 @@ def _window_columns(result, bins, n_bins) -> dict[str, np.ndarray]:
 
 def analyse_documents(loaded, documents: Iterable[tuple[int, str, Iterable[str]]], settings: dict,
                       bins: np.ndarray | None, on_window=None):
-    """Rows (a pyarrow Table of :func:`schema`) of ``documents`` = (doc_index, doc_id, parts).
+    """-> (rows, window tokens): a pyarrow Table of :func:`schema` for ``documents`` = (doc_index,
+    doc_id, parts), and the tokens of all its windows (special tokens and overlaps included).
 
     ``settings``: the run's settings (variants, mode, params, window, overlap, n_bins).
     ``on_window(n_tokens)`` is called after every window (progress).
@@ -82,7 +83,7 @@ def analyse_documents(loaded, documents: Iterable[tuple[int, str, Iterable[str]]
     from attnlab.hf import stream_analysis
 
     params = settings["params"]
-    tables = []
+    tables, window_tokens = [], 0
     for doc_index, doc_id, parts in documents:
         window_base = 0
         for part in parts:
@@ -105,10 +106,11 @@ def analyse_documents(loaded, documents: Iterable[tuple[int, str, Iterable[str]]
                     "statistic": pa.array(cols["statistic"], pa.string()),
                     "value": pa.array(cols["value"]),
                 }, schema=schema()))
+                window_tokens += n_tokens
                 if on_window is not None:
                     on_window(n_tokens)
             window_base += len(stream)
-    return pa.concat_tables(tables) if tables else schema().empty_table()
+    return (pa.concat_tables(tables) if tables else schema().empty_table()), window_tokens
 
 
 def document_parts(text: str, part_chars: int):
