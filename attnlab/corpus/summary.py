@@ -56,10 +56,12 @@ def _describe(X: np.ndarray, counts: np.ndarray) -> dict[str, np.ndarray]:
     valid = ~np.isnan(X)
     n = valid.sum(0)
     with np.errstate(invalid="ignore", divide="ignore"):
-        mean = np.nanmean(X, 0) if X.size else np.zeros(X.shape[1])
-        out = {"mean": mean, "std": np.nanstd(X, 0)}
-        for name, q in QUANTILE_COLUMNS.items():
-            out[name] = np.nanquantile(X, q, axis=0)
+        complete = bool(valid.all())  # the usual case: np.quantile is vectorized, nanquantile is not
+        mean = X.mean(0) if complete else np.nanmean(X, 0)
+        out = {"mean": mean, "std": X.std(0) if complete else np.nanstd(X, 0)}
+        qs = np.quantile(X, list(QUANTILE_COLUMNS.values()), axis=0) if complete else \
+            np.nanquantile(X, list(QUANTILE_COLUMNS.values()), axis=0)
+        out.update(zip(QUANTILE_COLUMNS, qs, strict=True))
         low, high = np.empty(X.shape[1]), np.empty(X.shape[1])
         X0, V = np.nan_to_num(X), valid.astype(np.float64)
         for c0 in range(0, X.shape[1], _CHUNK):
