@@ -106,7 +106,10 @@ def analyze_corpus(source, model=None, variants=None, mode: str = "recompute", *
     _check_int("max_docs", max_docs, 1, allow_none=True)
     _check_int("bootstrap", bootstrap, 1)
     _check_int("seed", seed, 0)
-    names, full = resolve(variants, {**(params or {}), **variant_params}, mode)
+    from attnlab.hf import load_model
+
+    info = load_model(model, device="cpu").info  # cached; causal models change variant defaults
+    names, full = resolve(variants, {**(params or {}), **variant_params}, mode, info)
     settings = job.CorpusSettings(
         model=None if model is None else str(Path(model).resolve()), variants=names, params=full,
         mode=mode, window=window, overlap=overlap, max_docs=max_docs, shard_docs=shard_docs,

@@ -1,8 +1,9 @@
 """Variants and their parameters for a corpus run, read from attnlab's variant registry.
 
-The one place the corpus package learns which variants exist and what parameters they take: the
-registry's specs when attnlab has them (``attnlab.variant_specs()``), else ``attnlab.VARIANTS`` with
-the two parameters it had before (u: HNAS hybrid weight, iters: Sinkhorn iterations).
+The one place the corpus package learns which variants exist (``attnlab.VARIANTS``) and what
+parameters they take (``attnlab.variant_specs()``): the CLI grows one flag per parameter, and a run's
+parameters are checked by the registry (``attnlab.check_params``) with defaults filled in, so the
+manifest records every value used.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["ParamFlag", "param_flags", "resolve"]
+__all__ = ["ParamFlag", "param_flags", "resolve", "all_variants"]
 
 
 @dataclass(frozen=True)
@@ -31,17 +32,11 @@ def all_variants() -> tuple[str, ...]:
 
 
 def param_flags() -> list[ParamFlag]:
-    """Every parameter of every registered variant (merged by name)."""
+    """Every parameter of every registered variant (merged by name, registration order)."""
     import attnlab
 
-    specs = getattr(attnlab, "variant_specs", None)
-    if specs is None:
-        from attnlab.hf.interface import DEFAULT_ITERS, DEFAULT_U
-
-        return [ParamFlag("u", float, DEFAULT_U, "HNAS hybrid weight u in [0, 1]", ("hnas",)),
-                ParamFlag("iters", int, DEFAULT_ITERS, "Sinkhorn iterations (>= 1)", ("sinkhorn",))]
     flags: dict[str, ParamFlag] = {}
-    for spec in specs():
+    for spec in attnlab.variant_specs():
         for p in spec.params:
             old = flags.get(p.name)
             used = (old.variants if old else ()) + (spec.name,)
@@ -50,39 +45,30 @@ def param_flags() -> list[ParamFlag]:
 
 
 def resolve(variants: Sequence[str] | str | None, params: Mapping[str, object] | None,
-            mode: str = "recompute") -> tuple[tuple[str, ...], dict]:
-    """-> (variants, parameters with defaults filled); ValueError naming a bad argument."""
+            mode: str = "recompute", info=None) -> tuple[tuple[str, ...], dict]:
+    """-> (variants, their parameters with defaults filled); ValueError naming a bad argument.
+
+    ``variants`` None or "all": every registered variant. Parameters must be plain numbers (the
+    manifest is JSON): a per-head tensor is refused.
+    """
+    import attnlab
     from attnlab.hf.weights import check_arguments
 
-    known = {f.name: f for f in param_flags()}
     params = dict(params or {})
-    unknown = sorted(set(params) - set(known))
+    known = {f.name for f in param_flags()}
+    unknown = sorted(set(params) - known)
     if unknown:
         raise ValueError(f"params: {unknown} are not parameters of any variant; known: {sorted(known)}")
+    for name, value in params.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"params: {name} must be a number for a corpus run (the manifest is JSON), "
+                             f"got {type(value).__name__}")
     if variants is None or (isinstance(variants, str) and variants in ("", "all")):
         variants = all_variants()
-    full = {name: params.get(name, f.default) for name, f in known.items()}
-    import attnlab
-
-    if hasattr(attnlab, "check_params"):
-        chosen = check_arguments(variants, mode, **{k: v for k, v in full.items() if k in ("u", "iters")}) \
-            if _legacy_check() else _check_names(variants, mode)
-        for v in chosen:
-            wanted = {k: full[k] for k in known if v in known[k].variants}
-            full.update(attnlab.check_params(v, wanted))
-        return chosen, full
-    return check_arguments(variants, mode, full["u"], full["iters"]), full
-
-
-def _legacy_check() -> bool:
-    import inspect
-
-    from attnlab.hf.weights import check_arguments
-
-    return {"u", "iters"} <= set(inspect.signature(check_arguments).parameters)
-
-
-def _check_names(variants, mode):
-    from attnlab.hf.weights import check_arguments
-
-    return check_arguments(variants, mode)
+    names, given = check_arguments(variants, mode, params, info)
+    full: dict = {}
+    for v in names:
+        spec = attnlab.variant_spec(v)
+        mine = {p.name: given[p.name] for p in spec.params if given.get(p.name) is not None}
+        full.update(attnlab.check_params(v, mine, causal=bool(info is not None and info.causal)))
+    return names, {k: (float(v) if isinstance(v, float) else v) for k, v in full.items()}
