@@ -28,6 +28,7 @@ page = st.navigation(
             st.Page(PAGES / "explaining_away.py", title="Explaining away", icon=":material/blur_linear:"),
             st.Page(PAGES / "compare.py", title="Compare", icon=":material/compare:"),
             st.Page(PAGES / "embeddings.py", title="Embeddings", icon=":material/scatter_plot:"),
+            st.Page(PAGES / "corpus.py", title="Corpus", icon=":material/library_books:"),
         ],
         "Train": [
             st.Page(PAGES / "train.py", title="Train", icon=":material/model_training:"),
