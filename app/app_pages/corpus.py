@@ -32,7 +32,7 @@ with st.expander("New corpus run", expanded=not corpus_runs.list_runs()), st.for
                               type=["jsonl", "csv", "parquet", "zip"])
     path = st.text_input("Server path (folder of .txt/.md, or a .jsonl/.csv/.parquet file)", key=f"{P}_path")
     a, b, c, d = st.columns(4)
-    variants = a.multiselect("Variants", attnlab.VARIANTS, default=list(attnlab.VARIANTS),
+    variants = a.multiselect("Variants", list(attnlab.VARIANTS), default=list(attnlab.VARIANTS),
                              key=f"{P}_variants")
     window = b.number_input("Window (tokens)", 8, 512, 128, key=f"{P}_window")
     max_docs = c.number_input("Max documents (0 = all)", 0, 10_000_000, 100, key=f"{P}_max_docs")
