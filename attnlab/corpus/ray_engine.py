@@ -9,11 +9,13 @@ retried (``max_restarts`` / ``max_task_retries``); a shard written twice has the
 
 Without ``ray_address`` a local Ray is started (``ray.init(num_cpus=workers)``); with it the driver
 joins that cluster, whose workers must see ``out`` (a shared file system) and have attnlab installed.
-An unreachable address fails within seconds (a TCP probe before ``ray.init``).
+An unreachable address fails within seconds: a TCP probe before ``ray.init``, then short GCS
+connection timeouts (a port that accepts connections but is no Ray head).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -22,7 +24,8 @@ from dataclasses import dataclass
 
 __all__ = ["connect", "run_ray", "ShardAnalyzer", "probe"]
 
-PROBE_TIMEOUT_S = 3.0
+PROBE_TIMEOUT_S = 3.0  # TCP connection to the head
+CONNECT_TIMEOUT_S = 3.0  # Ray's GCS client retries (something listens but is not a Ray head)
 RAY_CLIENT_PORT = 10001
 GCS_PORT = 6379
 
@@ -54,6 +57,19 @@ def probe(address: str, timeout: float = PROBE_TIMEOUT_S) -> None:
                          f"within {timeout:g} s); is a Ray head running there?") from None
 
 
+@contextlib.contextmanager
+def _stderr_silenced():
+    """fd 2 to /dev/null (Ray's C++ client logs every retry there) while joining a cluster."""
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def connect(address: str | None, workers: int) -> Cluster:
     """Join ``address`` or start a local Ray with ``workers`` CPUs (reusing one already running)."""
     import ray
@@ -69,8 +85,14 @@ def connect(address: str | None, workers: int) -> Cluster:
                       runtime_env={"env_vars": env})
         if address is None:
             ray.init(num_cpus=workers, **kwargs)
-        else:
-            ray.init(address=address, **kwargs)
+        else:  # give up after seconds, not Ray's default minute of retries, when no GCS answers
+            os.environ.setdefault("RAY_gcs_rpc_server_reconnect_timeout_s", str(int(CONNECT_TIMEOUT_S)))
+            os.environ.setdefault("RAY_gcs_rpc_server_connect_timeout_s", str(int(CONNECT_TIMEOUT_S)))
+            try:
+                with _stderr_silenced():
+                    ray.init(address=address, **kwargs)
+            except ConnectionError as e:
+                raise ValueError(f"ray_address {address!r}: {e}; is a Ray head running there?") from None
     import logging
 
     import ray.data
