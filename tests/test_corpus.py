@@ -194,6 +194,7 @@ def test_every_document_once_and_summary_from_rows(small_run):
     assert open_result(result.out).manifest["n_documents"] == 4
 
 
+@pytest.mark.slow  # three small runs
 def test_resume_skips_done_shards_and_mismatch_is_refused(small_run, tmp_path):
     root, result = small_run
     before = {p.name: p.stat().st_mtime_ns for p in result.rows.glob("*.parquet")}
@@ -214,6 +215,7 @@ def test_resume_skips_done_shards_and_mismatch_is_refused(small_run, tmp_path):
     assert set(redone.table()["doc_id"]) == {"a.txt"}
 
 
+@pytest.mark.slow
 def test_long_document_streamed_in_parts(tmp_path):
     root = tmp_path / "long"
     root.mkdir()
