@@ -4,6 +4,7 @@ local Ray (ray.init(num_cpus=2)): summary identical to the local engine, a worke
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -131,6 +132,8 @@ def test_unreachable_ray_address_fails_within_seconds(tmp_path):
                          env=_env(), cwd=REPO, capture_output=True, text=True, timeout=120)
     elapsed = time.perf_counter() - t0
     assert res.returncode == 2 and res.stderr.strip().count("\n") == 0, res.stderr
-    assert "ray_address '10.255.255.1:6379' is unreachable" in res.stderr
+    # no route: the TCP probe refuses; a network that accepts every connection (a proxy): the GCS
+    # connection times out
+    assert re.search(r"ray_address '10.255.255.1:6379'(: Failed to connect| is unreachable)", res.stderr)
     assert elapsed < 60, elapsed  # a hang would run into the 120 s timeout
     assert not (tmp_path / "r").exists()
