@@ -1,4 +1,4 @@
-"""Benchmarks: ``attnlab bench attention | analysis | training`` (also ``python -m attnlab.bench ...``).
+"""Benchmarks: ``attnlab bench attention | analysis | training | corpus`` (also ``python -m attnlab.bench``).
 
 Every figure is a ratio to a baseline measured in the same run (machines are shared and noisy), and
 each is the median of several repeats. Tests never assert speed; docs/BENCHMARKS.md records runs.
@@ -147,7 +147,10 @@ def attention_markdown(res: dict) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("what", choices=["attention", "analysis", "training"], help="which benchmark")
+    parser.add_argument("what", choices=["attention", "analysis", "training", "corpus"],
+                        help="which benchmark")
+    parser.add_argument("--memory-tokens", default="100000,1000000", help="corpus: tokens of the RSS runs")
+    parser.add_argument("--memory-model", default=None, help="corpus: model of the RSS runs (default MiniLM)")
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="sequence lengths (attention)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
@@ -167,6 +170,13 @@ def run(args: argparse.Namespace) -> int:
 
         res = benchmark_analysis()
         print(json.dumps(res, indent=2))
+    elif args.what == "corpus":
+        from attnlab.corpus.benchmark import benchmark_corpus
+
+        tokens = tuple(int(t) for t in args.memory_tokens.split(",") if t)
+        res = benchmark_corpus(repeats=max(1, min(args.repeats, 2)), memory_tokens=tokens,
+                               memory_model=args.memory_model)
+        print(json.dumps(res, indent=2, default=str))
     else:
         from attnlab.train.config import load_recipe
         from attnlab.train.speed import training_speed

@@ -19,6 +19,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 COMMANDS = {
     "analyze": ("attnlab.analyze_cli", "analyse a text with every attention variant on a model"),
     "train": ("attnlab.train", "train a small transformer with any attention variant"),
+    "corpus": ("attnlab.corpus.cli", "explaining-away statistics over a corpus (local or Ray)"),
     "bench": ("attnlab.bench", "benchmark attention variants against torch SDPA"),
 }
 

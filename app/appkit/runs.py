@@ -133,6 +133,12 @@ def _launch(run_dir: Path, resume: bool) -> None:
         str(run_dir),
         "--no-progress",
     ] + (["--resume"] if resume else [])
+    spawn(run_dir, cmd, {"resume": resume})
+
+
+def spawn(run_dir: Path, cmd: list[str], extra: dict | None = None, log: str = LOG) -> None:
+    """Start ``cmd`` (an ``attnlab`` command naming ``run_dir``) in the background for ``run_dir``:
+    its own session, output to ``log``, exit status to ``exit_code``, pid to ``app_process.json``."""
     # A shell wrapper records the exit status, so a later server still knows how the run ended. It
     # ignores Stop's SIGTERM (trap) and waits: the run counts as alive until the trainer has written
     # its checkpoint and exited, so Resume cannot start a second trainer on the same directory.
@@ -145,11 +151,11 @@ def _launch(run_dir: Path, resume: bool) -> None:
         "PYTHONUNBUFFERED": "1",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     }
-    with open(run_dir / LOG, "ab") as log:
+    with open(run_dir / log, "ab") as fh:
         proc = subprocess.Popen(
             ["/bin/sh", "-c", script],
             cwd=REPO,
-            stdout=log,
+            stdout=fh,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
@@ -157,7 +163,7 @@ def _launch(run_dir: Path, resume: bool) -> None:
         )
     _CHILDREN[proc.pid] = proc
     (run_dir / PROCESS).write_text(
-        json.dumps({"pid": proc.pid, "command": cmd, "resume": resume, "started": time.time()})
+        json.dumps({"pid": proc.pid, "command": cmd, **(extra or {}), "started": time.time()})
     )
 
 

@@ -61,6 +61,14 @@ from attnlab.hf.windows import Window, Windowing  # noqa: E402
 
 REGISTERED = register_attention_functions()
 
+
+def analyze_corpus(source, *args, **kwargs):
+    """Corpus-scale analysis (local or Ray): see :func:`attnlab.corpus.analyze_corpus`."""
+    from attnlab.corpus import analyze_corpus as run
+
+    return run(source, *args, **kwargs)
+
+
 __all__ = [
     "MODES",
     "CAPTURE",
@@ -77,6 +85,7 @@ __all__ = [
     "WindowResult",
     "Windowing",
     "analyze",
+    "analyze_corpus",
     "batch_weights",
     "benchmark_analysis",
     "capture_attention_inputs",

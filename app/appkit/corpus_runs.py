@@ -1,0 +1,181 @@
+"""Corpus runs started from the app: ``attnlab corpus`` in a background process per run.
+
+The mechanism is the Train page's (appkit.runs.spawn: own session, exit status recorded, found again
+by scanning a directory; Stop = SIGTERM to the process group). A run lives in
+``runs_dir()/corpus/NAME``:
+
+    app_corpus.json   what the form asked for (source, variants, window, ...)
+    app_process.json  pid and command of the latest (re)start; exit_code; corpus.log
+    source/           an uploaded .jsonl/.csv/.parquet file, or the .txt/.md files of an uploaded zip
+    result/           the run directory of ``attnlab corpus`` (rows/, summary, manifest, progress)
+
+Stopping loses nothing: shards are written atomically and Resume reruns the same command, which
+skips the finished shards.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import sys
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from appkit.runs import EXIT, NAME, PROCESS, STOP, _alive, _read_json, spawn
+from appkit.sources import runs_dir
+
+CONFIG = "app_corpus.json"
+LOG = "corpus.log"
+UPLOAD_SUFFIXES = (".jsonl", ".csv", ".parquet", ".zip")
+ZIP_MEMBERS = (".txt", ".md")
+MAX_ZIP_BYTES = 1 << 30  # uncompressed size accepted from an uploaded zip
+
+
+def corpus_dir() -> Path:
+    return runs_dir() / "corpus"
+
+
+@dataclass
+class CorpusRun:
+    dir: Path
+    status: str  # "starting" | "running" | "finished" | "stopped" | "failed"
+    progress: dict  # progress.json of the job ({} before it starts)
+    pid: int | None
+
+    @property
+    def name(self) -> str:
+        return self.dir.name
+
+    @property
+    def result(self) -> Path:
+        return self.dir / "result"
+
+    @property
+    def active(self) -> bool:
+        return self.status in ("starting", "running")
+
+    def log_tail(self, lines: int = 20) -> str:
+        p = self.dir / LOG
+        return "\n".join(p.read_text(errors="replace").splitlines()[-lines:]) if p.is_file() else ""
+
+
+def inspect(run_dir: Path) -> CorpusRun:
+    progress = _read_json(run_dir / "result" / "progress.json")
+    pid = _read_json(run_dir / PROCESS).get("pid")
+    if _alive(pid, run_dir):
+        status = "running" if progress else "starting"
+    elif (run_dir / "result" / "summary.parquet").is_file() and progress.get("status") == "finished":
+        status = "finished"
+    elif (run_dir / STOP).is_file():
+        status = "stopped"
+    else:
+        status = "failed"
+    return CorpusRun(run_dir, status, progress, pid)
+
+
+def list_runs() -> list[CorpusRun]:
+    root = corpus_dir()
+    dirs = [p for p in root.glob("*") if (p / CONFIG).is_file()] if root.is_dir() else []
+    return [inspect(p) for p in sorted(dirs, key=lambda p: p.stat().st_mtime, reverse=True)]
+
+
+def _unzip(data: bytes, target: Path) -> None:
+    """The .txt/.md members of a zip into ``target`` (no absolute paths, no '..', bounded size)."""
+    try:
+        archive = zipfile.ZipFile(io.BytesIO(data))
+    except zipfile.BadZipFile:
+        raise ValueError("the uploaded .zip is not a zip archive") from None
+    members = [m for m in archive.infolist() if not m.is_dir() and m.filename.lower().endswith(ZIP_MEMBERS)]
+    if not members:
+        raise ValueError("the uploaded .zip holds no .txt or .md files")
+    if sum(m.file_size for m in members) > MAX_ZIP_BYTES:
+        raise ValueError(f"the uploaded .zip expands to more than {MAX_ZIP_BYTES >> 20} MiB")
+    for m in members:
+        parts = Path(m.filename).parts
+        if Path(m.filename).is_absolute() or ".." in parts:
+            raise ValueError(f"the uploaded .zip has an unsafe member path {m.filename!r}")
+        out = target.joinpath(*parts)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(archive.read(m))
+
+
+def command(run_dir: Path, config: dict, source: str) -> list[str]:
+    cmd = [sys.executable, "-m", "attnlab.cli", "corpus", source, "--out", str(run_dir / "result"),
+           "--quiet", "--text-column", config.get("text_column") or "text"]
+    if config.get("variants"):
+        cmd += ["--variants", ",".join(config["variants"])]
+    for key in ("window", "overlap", "max_docs", "id_column"):
+        if config.get(key) not in (None, ""):
+            cmd += [f"--{key.replace('_', '-')}", str(config[key])]
+    for name, value in (config.get("params") or {}).items():
+        cmd += [f"--{name.replace('_', '-')}", str(value)]
+    return cmd
+
+
+def start(name: str, config: dict, upload: tuple[str, bytes] | None = None,
+          path: str | None = None) -> CorpusRun:
+    """Create ``corpus/NAME`` and start ``attnlab corpus`` on the shipped corpus (neither ``upload``
+    nor ``path``), an upload (file name, bytes) or a server-side ``path``. ValueError for people."""
+    if not NAME.match(name):
+        raise ValueError(f"run name {name!r}: use letters, digits, '-', '_' or '.', at most 64 characters")
+    run_dir = corpus_dir() / name
+    if run_dir.exists():
+        raise ValueError(f"a corpus run named {name!r} already exists; pick another name")
+    if upload is not None:
+        file_name = upload[0]
+        if not file_name.lower().endswith(UPLOAD_SUFFIXES):
+            raise ValueError(f"{file_name}: upload a .jsonl, .csv, .parquet file or a .zip of .txt files")
+    elif path:
+        if not Path(path).exists():
+            raise ValueError(f"server path {path!r} does not exist")
+    run_dir.mkdir(parents=True)
+    try:
+        source = "kjv"
+        if upload is not None:
+            (run_dir / "source").mkdir()
+            if file_name.lower().endswith(".zip"):
+                _unzip(upload[1], run_dir / "source")
+                source = str(run_dir / "source")
+            else:
+                target = run_dir / "source" / ("corpus" + Path(file_name).suffix.lower())
+                target.write_bytes(upload[1])
+                source = str(target)
+        elif path:
+            source = str(Path(path).resolve())
+    except ValueError:
+        import shutil
+
+        shutil.rmtree(run_dir)
+        raise
+    config = {**config, "source": source}
+    (run_dir / CONFIG).write_text(json.dumps(config, indent=2))
+    spawn(run_dir, command(run_dir, config, source), log=LOG)
+    return inspect(run_dir)
+
+
+def stop(run: CorpusRun) -> None:
+    """SIGTERM to the run's process group; finished shards stay."""
+    (run.dir / STOP).write_text(json.dumps({"stopped": time.time()}))
+    if _alive(run.pid, run.dir):
+        try:
+            os.killpg(run.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+
+def resume(run: CorpusRun) -> None:
+    """Run the same command again: finished shards are skipped."""
+    if run.active:
+        raise ValueError(f"run {run.name} is still running")
+    cmd = _read_json(run.dir / PROCESS).get("command")
+    if not cmd:
+        config = _read_json(run.dir / CONFIG)
+        cmd = command(run.dir, config, config["source"])
+    spawn(run.dir, cmd, log=LOG)
+
+
+__all__ = ["CorpusRun", "corpus_dir", "inspect", "list_runs", "start", "stop", "resume", "command", "EXIT"]

@@ -1,0 +1,135 @@
+"""One shard of a corpus run: its documents analysed into rows (both engines call this).
+
+A row is one (document, window, variant, layer, head, statistic) value. The statistics are those of
+``WindowResult.table()`` (attnlab.stats.tidy_table, unchanged) followed by the key-class breakdown of
+:mod:`attnlab.corpus.token_classes`. Every part of a document is windowed exactly as
+``hf.stream_analysis`` windows a text; window numbers run on across parts.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+from attnlab.corpus.sources import split_parts
+from attnlab.corpus.token_classes import class_statistics, key_classes
+
+__all__ = ["SCHEMA", "analyse_documents", "write_shard", "shard_path"]
+
+
+def _schema():
+    import pyarrow as pa
+
+    return pa.schema([
+        ("doc_index", pa.int32()),  # position of the document in the source (after skipping)
+        ("doc_id", pa.string()),
+        ("window", pa.int32()),  # window number within the document
+        ("n_tokens", pa.int32()),  # tokens of the window, special tokens included
+        ("variant", pa.string()),
+        ("layer", pa.int16()),
+        ("head", pa.int16()),
+        ("statistic", pa.string()),
+        ("value", pa.float64()),
+    ])
+
+
+SCHEMA = None  # pyarrow schema, built on first use (pyarrow imports lazily)
+
+
+def schema():
+    global SCHEMA
+    if SCHEMA is None:
+        SCHEMA = _schema()
+    return SCHEMA
+
+
+def _window_columns(result, bins, n_bins) -> dict[str, np.ndarray]:
+    """Columns variant, layer, head, statistic, value of one WindowResult (V*L*H*S rows)."""
+    frame = result.table()  # variant, layer, head, statistic, value (+ window)
+    w = result.window
+    names, classes = key_classes(w.tokens, w.input_ids, w.special, w.punctuation, bins, n_bins)
+    extra = class_statistics(result.weights, names, classes)
+    variants = list(result.weights)
+    stat_names, first = extra[variants[0]]
+    L, H, S = first.shape
+    values = np.stack([extra[v][1].numpy() for v in variants])  # (V, L, H, S)
+    V = len(variants)
+    return {
+        "variant": np.concatenate([frame["variant"].to_numpy(object),
+                                   np.repeat(np.asarray(variants, dtype=object), L * H * S)]),
+        "layer": np.concatenate([frame["layer"].to_numpy(np.int16),
+                                 np.tile(np.repeat(np.arange(L, dtype=np.int16), H * S), V)]),
+        "head": np.concatenate([frame["head"].to_numpy(np.int16),
+                                np.tile(np.repeat(np.arange(H, dtype=np.int16), S), V * L)]),
+        "statistic": np.concatenate([frame["statistic"].to_numpy(object),
+                                     np.tile(np.asarray(stat_names, dtype=object), V * L * H)]),
+        "value": np.concatenate([frame["value"].to_numpy(np.float64), values.reshape(-1)]),
+    }
+
+
+def analyse_documents(loaded, documents: Iterable[tuple[int, str, Iterable[str]]], settings: dict,
+                      bins: np.ndarray | None, on_window=None):
+    """-> (rows, window tokens): a pyarrow Table of :func:`schema` for ``documents`` = (doc_index,
+    doc_id, parts), and the tokens of all its windows (special tokens and overlaps included).
+
+    ``settings``: the run's settings (variants, mode, params, window, overlap, n_bins).
+    ``on_window(n_tokens)`` is called after every window (progress).
+    """
+    import pyarrow as pa
+
+    from attnlab.hf import stream_analysis
+
+    params = settings["params"]
+    tables, window_tokens = [], 0
+    for doc_index, doc_id, parts in documents:
+        window_base = 0
+        for part in parts:
+            if not part.strip():
+                continue
+            stream = stream_analysis(part, loaded, settings["variants"], settings["mode"],
+                                     window=settings["window"], overlap=settings["overlap"], **params)
+            for result in stream:
+                cols = _window_columns(result, bins, settings["n_bins"])
+                n = len(cols["value"])
+                n_tokens = len(result.tokens)
+                tables.append(pa.table({
+                    "doc_index": pa.array(np.full(n, doc_index, np.int32)),
+                    "doc_id": pa.array([doc_id] * n, pa.string()),
+                    "window": pa.array(np.full(n, window_base + result.index, np.int32)),
+                    "n_tokens": pa.array(np.full(n, n_tokens, np.int32)),
+                    "variant": pa.array(cols["variant"], pa.string()),
+                    "layer": pa.array(cols["layer"]),
+                    "head": pa.array(cols["head"]),
+                    "statistic": pa.array(cols["statistic"], pa.string()),
+                    "value": pa.array(cols["value"]),
+                }, schema=schema()))
+                window_tokens += n_tokens
+                if on_window is not None:
+                    on_window(n_tokens)
+            window_base += len(stream)
+    return (pa.concat_tables(tables) if tables else schema().empty_table()), window_tokens
+
+
+def document_parts(text: str, part_chars: int):
+    return split_parts(text, part_chars)
+
+
+def shard_path(out: str | os.PathLike, shard: int) -> Path:
+    return Path(out) / "rows" / f"shard-{shard:05d}.parquet"
+
+
+def write_shard(out: str | os.PathLike, shard: int, table) -> Path:
+    """Write a shard atomically: a temporary file renamed into place (a kill leaves no partial shard)."""
+    import pyarrow.parquet as pq
+
+    path = shard_path(out, shard)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    pq.write_table(table, tmp, compression="zstd", use_dictionary=["doc_id", "variant", "statistic"])
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    return path
