@@ -24,7 +24,7 @@ HEAD_DIMS = (16, 32, 64, 128)  # D and Dv (tl.dot needs >= 16 and a power of two
 # (block_m, block_n, num_warps) on CUDA per head dim: untuned first choices (tuning awaits a GPU run)
 CUDA_BLOCKS = {16: (64, 64, 4), 32: (64, 64, 4), 64: (64, 64, 4), 128: (64, 32, 4)}
 # Under the interpreter: small blocks, so that small test shapes already span several blocks
-INTERPRET_BLOCKS = (16, 16, 1)
+INTERPRET_BLOCKS = (32, 32, 1)
 
 
 def available(q: torch.Tensor) -> bool:
@@ -72,7 +72,7 @@ def _u4(u, B, H, device) -> torch.Tensor | None:
     if not u.is_floating_point() or u.dim() > 4:
         return None
     u4 = u.reshape((1,) * (4 - u.dim()) + tuple(u.shape))
-    if u4.shape[-2:] != (1, 1) or any(s not in (1, t) for s, t in zip(u4.shape[:2], (B, H))):
+    if u4.shape[-2:] != (1, 1) or any(s not in (1, t) for s, t in zip(u4.shape[:2], (B, H), strict=True)):
         return None
     return u4.to(device)
 
@@ -85,7 +85,8 @@ def _launch(q, ns, mode_, scale, rb, kb) -> Launch:
         bm, bn, warps = CUDA_BLOCKS[D]
     tf32 = q.dtype == torch.float32 and mode_ == "cuda" and torch.backends.cuda.matmul.allow_tf32
     return Launch(ns=ns, interpret=mode_ == "interpret", B=B, H=H, scale=scale, rb=rb, kb=kb,
-                  prec="tf32" if tf32 else "ieee", block_m=bm, block_n=bn, num_warps=warps)
+                  prec="tf32" if tf32 else "ieee", f32=mode_ == "interpret" and q.dtype == torch.bfloat16,
+                  block_m=bm, block_n=bn, num_warps=warps)
 
 
 def _needs_grad(*ts) -> bool:
@@ -109,7 +110,9 @@ def fused_attend(q, k, v, variant, *, mask=None, scale=None, causal=False, u=Non
     N, DV = v.shape[-2:]
     if k.shape != (B, H, N, D) or v.shape[:3] != (B, H, N) or min(B, H, M, N) == 0:
         return None
-    if q.dtype not in DTYPES or not (q.dtype == k.dtype == v.dtype) or D not in HEAD_DIMS or DV not in HEAD_DIMS:
+    if q.dtype not in DTYPES or not (q.dtype == k.dtype == v.dtype):
+        return None
+    if D not in HEAD_DIMS or DV not in HEAD_DIMS:
         return None
     if not (q.device == k.device == v.device):
         return None

@@ -24,16 +24,26 @@ NEG_INF = float("-inf")
 
 
 @triton.jit
+def _dot(a, b, PREC: tl.constexpr, F32: tl.constexpr):
+    """tl.dot with float32 accumulation; F32 casts the operands to float32 first (the interpreter's
+    dot misreads bfloat16, which it stores as raw uint16)."""
+    if F32:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
 def _tile(q, kt, rb, kb, c, rd, ru, dd, du, g, vt, u, m_ok, n_ok, scale,
-          HAS_KB: tl.constexpr, HYBRID: tl.constexpr, PREC: tl.constexpr):
+          HAS_KB: tl.constexpr, HYBRID: tl.constexpr, PREC: tl.constexpr, F32: tl.constexpr):
     """One (BLOCK_M, BLOCK_N) tile: (p, P, dl, ds_u) as defined in the module docstring."""
-    s = tl.dot(q, kt, input_precision=PREC) * scale + rb[:, None]
+    s = _dot(q, kt, PREC, F32) * scale + rb[:, None]
     if HAS_KB:
         s += kb[None, :]
     s = tl.where(m_ok[:, None] & n_ok[None, :], s, NEG_INF)
     col = tl.exp(s - c[None, :])
     pd = tl.exp(s - c[None, :] - rd[:, None])
-    dp = tl.dot(g, vt, input_precision=PREC)
+    dp = _dot(g, vt, PREC, F32)
     dl = u * pd * (dp - dd[:, None])
     p = pd
     dsu = tl.zeros_like(dl)
@@ -50,7 +60,7 @@ def bwd_kv_kernel(
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sgb, sgh, sgm, sgd,
     H, M, N, scale,
     HAS_RB: tl.constexpr, HAS_KB: tl.constexpr, HYBRID: tl.constexpr, PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+    F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
 ):
     """grad_k (BH, N, D), grad_v (BH, N, DV) and e (BH, N) float32; grid (cdiv(N, BLOCK_N), B*H)."""
     pid_n = tl.program_id(0)
@@ -94,10 +104,10 @@ def bwd_kv_kernel(
             ru = tl.load(RU + bh * M + offs_m, mask=m_ok, other=float("inf"))
             du = tl.load(DU + bh * M + offs_m, mask=m_ok, other=0.0)
         p, col, dl, dsu = _tile(q, kt, rb, kb, c, rd, ru, dd, du, g, vt, u, m_ok, n_ok, scale,
-                                HAS_KB, HYBRID, PREC)
-        acc_dv += tl.dot(tl.trans(p).to(g.dtype), g, input_precision=PREC)
-        acc_dk += tl.dot(tl.trans(dl + dsu).to(q.dtype), q, input_precision=PREC)
-        acc_pq += tl.dot(tl.trans(col).to(q.dtype), q, input_precision=PREC)
+                                HAS_KB, HYBRID, PREC, F32)
+        acc_dv += _dot(tl.trans(p).to(g.dtype), g, PREC, F32)
+        acc_dk += _dot(tl.trans(dl + dsu).to(q.dtype), q, PREC, F32)
+        acc_pq += _dot(tl.trans(col).to(q.dtype), q, PREC, F32)
         e += tl.sum(dl, 0)
     dk = scale * (acc_dk - e[:, None] * acc_pq)
     tl.store(DK + bh * N * D + offs_n[:, None] * D + offs_d[None, :], dk.to(DK.dtype.element_ty),
@@ -113,7 +123,7 @@ def bwd_q_kernel(
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sgb, sgh, sgm, sgd,
     H, M, N, scale,
     HAS_RB: tl.constexpr, HAS_KB: tl.constexpr, HYBRID: tl.constexpr, PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+    F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
 ):
     """grad_q (BH, M, D) from e (bwd_kv_kernel); grid (cdiv(M, BLOCK_M), B*H)."""
     pid_m = tl.program_id(0)
@@ -154,8 +164,8 @@ def bwd_q_kernel(
             kb = tl.load(KB + bh * N + offs_n, mask=n_ok, other=NEG_INF)
         e = tl.load(E + bh * N + offs_n, mask=n_ok, other=0.0)
         p, col, dl, dsu = _tile(q, kt, rb, kb, c, rd, ru, dd, du, g, vt, u, m_ok, n_ok, scale,
-                                HAS_KB, HYBRID, PREC)
+                                HAS_KB, HYBRID, PREC, F32)
         ds = dl - col * e[None, :] + dsu
-        acc += tl.dot(ds.to(q.dtype), tl.trans(kt), input_precision=PREC)
+        acc += _dot(ds.to(q.dtype), tl.trans(kt), PREC, F32)
     tl.store(DQ + bh * M * D + offs_m[:, None] * D + offs_d[None, :], (scale * acc).to(DQ.dtype.element_ty),
              mask=m_ok[:, None])

@@ -31,6 +31,16 @@ PREFIX_TINY = 1e-20
 
 
 @triton.jit
+def _dot(a, b, PREC: tl.constexpr, F32: tl.constexpr):
+    """tl.dot with float32 accumulation; F32 casts the operands to float32 first (the interpreter's
+    dot misreads bfloat16, which it stores as raw uint16)."""
+    if F32:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
 def _logaddexp(a, b):
     """log(e^a + e^b), -inf when both are -inf (no NaN)."""
     hi = tl.maximum(a, b)
@@ -63,7 +73,7 @@ def col_lse_kernel(
     sqb, sqh, sqm, sqd, skb, skh, skn, skd,
     H, M, N, scale,
     HAS_RB: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+    F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
 ):
     """c (BH, N) = logsumexp over queries of (s_ij + rb_i); grid (cdiv(N, BLOCK_N), B*H).
 
@@ -97,7 +107,7 @@ def col_lse_kernel(
         m_ok = offs_m < M
         q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
                     mask=m_ok[:, None], other=0.0)
-        s = tl.dot(q, kt, input_precision=PREC) * scale  # (BLOCK_M, BLOCK_N)
+        s = _dot(q, kt, PREC, F32) * scale  # (BLOCK_M, BLOCK_N)
         valid = m_ok[:, None] & n_ok[None, :]
         if HAS_RB:
             s += tl.load(RB + bh * M + offs_m, mask=m_ok, other=NEG_INF)[:, None]
@@ -113,14 +123,14 @@ def col_lse_kernel(
 
 
 @triton.jit
-def _online_update(logits, m, l, acc, v, PREC: tl.constexpr):
+def _online_update(logits, m, l, acc, v, PREC: tl.constexpr, F32: tl.constexpr):
     """One key tile of an online softmax: (m, l, acc) -> updated, logits (BLOCK_M, BLOCK_N)."""
     m_new = tl.maximum(m, tl.max(logits, 1))
     safe = tl.where(m_new == NEG_INF, 0.0, m_new)
     alpha = tl.exp(m - safe)
     p = tl.exp(logits - safe[:, None])
     l = l * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC, F32)
     return m_new, l, acc
 
 
@@ -130,7 +140,7 @@ def row_kernel(
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     H, M, N, scale,
     HAS_RB: tl.constexpr, HAS_KB: tl.constexpr, HYBRID: tl.constexpr, CAUSAL: tl.constexpr,
-    SAVE: tl.constexpr, PREC: tl.constexpr,
+    SAVE: tl.constexpr, PREC: tl.constexpr, F32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
 ):
     """out (BH, M, DV) of DNAS (or HNAS when HYBRID) with the key potentials c; grid (cdiv(M, BLOCK_M), B*H).
@@ -169,7 +179,7 @@ def row_kernel(
                      mask=n_ok[None, :], other=0.0)
         v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svn + offs_dv[None, :] * svd,
                     mask=n_ok[:, None], other=0.0)
-        s = tl.dot(q, kt, input_precision=PREC) * scale + rb[:, None]
+        s = _dot(q, kt, PREC, F32) * scale + rb[:, None]
         if HAS_KB:
             s += tl.load(KB + bh * N + offs_n, mask=n_ok, other=NEG_INF)[None, :]
         valid = m_ok[:, None] & n_ok[None, :]
@@ -179,13 +189,13 @@ def row_kernel(
         if CAUSAL:
             carry = tl.load(carry_row + offs_n, mask=n_ok, other=NEG_INF)
             c = _prefix_lse(s, carry)  # (BLOCK_M, BLOCK_N): c_j(i)
-            logits = tl.where(s > NEG_INF, s - c, NEG_INF)
+            logits = s - tl.where(s > NEG_INF, c, 0.0)  # masked entries stay -inf
         else:
             c = tl.load(C + bh * N + offs_n, mask=n_ok, other=0.0)
             logits = s - c[None, :]
-        m_d, l_d, acc_d = _online_update(logits, m_d, l_d, acc_d, v, PREC)
+        m_d, l_d, acc_d = _online_update(logits, m_d, l_d, acc_d, v, PREC, F32)
         if HYBRID:
-            m_u, l_u, acc_u = _online_update(s, m_u, l_u, acc_u, v, PREC)
+            m_u, l_u, acc_u = _online_update(s, m_u, l_u, acc_u, v, PREC, F32)
     out_d = acc_d / tl.where(l_d > 0, l_d, 1.0)[:, None]  # empty rows: acc = 0, out = 0
     out = out_d
     o_idx = bh * M * DV + offs_m[:, None] * DV + offs_dv[None, :]

@@ -36,6 +36,7 @@ class Launch:
     rb: torch.Tensor | None  # (BH, M) float32: 0 or -inf per query (query mask), None = all valid
     kb: torch.Tensor | None  # (BH, N) float32: 0 or -inf per key (key mask), None = all valid
     prec: str  # tl.dot input precision for float32 inputs: "ieee" or "tf32"
+    f32: bool  # cast dot operands to float32 (the interpreter with bfloat16 inputs)
     block_m: int  # query block (the causal carry is indexed by it)
     block_n: int  # key block
     num_warps: int
@@ -55,8 +56,8 @@ def column_lse(L: Launch, q, k, rb, causal: bool = False):
     grid = (cdiv(N, L.block_n), B * H)
     L.ns.fwd.col_lse_kernel[grid](
         q, k, c if rb is None else rb, c, carry, *q.stride(), *k.stride(), H, M, N, L.scale,
-        HAS_RB=rb is not None, CAUSAL=causal, PREC=L.prec, BLOCK_M=L.block_m, BLOCK_N=L.block_n, D=D,
-        **L.opts())
+        HAS_RB=rb is not None, CAUSAL=causal, PREC=L.prec, F32=L.f32, BLOCK_M=L.block_m,
+        BLOCK_N=L.block_n, D=D, **L.opts())
     return c, (carry if causal else None)
 
 
@@ -86,7 +87,7 @@ def row_pass(L: Launch, q, k, v, c, u_bh=None, causal=False, save=False):
         pick(od), pick(ou), pick(rd), pick(ru),
         *q.stride(), *k.stride(), *v.stride(), H, M, N, L.scale,
         HAS_RB=L.rb is not None, HAS_KB=L.kb is not None, HYBRID=hybrid, CAUSAL=causal, SAVE=save,
-        PREC=L.prec, BLOCK_M=L.block_m, BLOCK_N=L.block_n, D=D, DV=DV, **L.opts())
+        PREC=L.prec, F32=L.f32, BLOCK_M=L.block_m, BLOCK_N=L.block_n, D=D, DV=DV, **L.opts())
     return out, {"rd": rd, "ru": ru, "od": od, "ou": ou}
 
 
@@ -138,10 +139,11 @@ class DoublyNormalized(torch.autograd.Function):
         pick = lambda t: dd if t is None else t  # noqa: E731
         args = (q, k, v, g, pick(L.rb), pick(L.kb), c, rd, pick(ru), dd, pick(du), pick(u_bh))
         strides = (*q.stride(), *k.stride(), *v.stride(), *g.stride())
-        meta = dict(HAS_RB=L.rb is not None, HAS_KB=L.kb is not None, HYBRID=hybrid, PREC=L.prec,
+        meta = dict(HAS_RB=L.rb is not None, HAS_KB=L.kb is not None, HYBRID=hybrid, PREC=L.prec, F32=L.f32,
                     BLOCK_M=L.block_m, BLOCK_N=L.block_n, D=D, DV=DV, **L.opts())
-        L.ns.bwd.bwd_kv_kernel[(cdiv(N, L.block_n), B * H)](*args, dk, dv, e, *strides, H, M, N, L.scale, **meta)
-        L.ns.bwd.bwd_q_kernel[(cdiv(M, L.block_m), B * H)](*args, e, dq, *strides, H, M, N, L.scale, **meta)
+        sizes = (H, M, N, L.scale)
+        L.ns.bwd.bwd_kv_kernel[(cdiv(N, L.block_n), B * H)](*args, dk, dv, e, *strides, *sizes, **meta)
+        L.ns.bwd.bwd_q_kernel[(cdiv(M, L.block_m), B * H)](*args, e, dq, *strides, *sizes, **meta)
         grad_u = None
         if hybrid and ctx.needs_input_grad[3]:
             grad_u = (g32 * (od - ou)).sum((-1, -2)).view(B, H, 1, 1)
