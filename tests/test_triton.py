@@ -334,3 +334,13 @@ def test_cuda_causal(ieee_float32_matmul, variant, kw, dtype):
     for mask_kind in ("none", "keys"):
         _cuda_case(variant, kw, mask_kind, 1100, 1100, 64, dtype, causal=True)
 
+
+
+def test_attention_benchmark_options_on_cpu():
+    """bench attention --heads/--head-dim/--dtype plumbing (no timing asserted; no Triton cases on CPU)."""
+    from attnlab import bench
+
+    res = bench.bench_attention(sizes=(16,), memory=False, repeats=1, heads=2, head_dim=16, dtype="bfloat16")
+    assert set(res["ratio"][16]) == {label for label, _, _ in bench.CASES}
+    assert (res["heads"], res["head_dim"], res["dtype"]) == (2, 16, "bfloat16")
+    assert "| 16 |" in bench.attention_markdown(res)
