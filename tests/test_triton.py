@@ -277,6 +277,51 @@ def test_importing_attnlab_imports_no_triton():
 
 
 # ----------------------------------------------------------------------------------------------
+# Compiled for the GPU without one (slow): Triton's compiler and ptxas, target sm_90 (H100/H200)
+# ----------------------------------------------------------------------------------------------
+
+SHARED_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm_90
+TL_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+DATA_POINTERS = {"Q", "K", "V", "G", "OUT", "DK", "DVv", "DQ"}  # in the input dtype; other pointers float32
+COMPILE_CASES = [  # (module, kernel, constexpr flags)
+    ("fwd", "col_lse_kernel", dict(HAS_RB=True, CAUSAL=True)),
+    ("fwd", "row_kernel", dict(HAS_RB=True, HAS_KB=True, HYBRID=True, CAUSAL=True, SAVE=False)),
+    ("fwd", "row_kernel", dict(HAS_RB=True, HAS_KB=True, HYBRID=True, CAUSAL=False, SAVE=True)),
+    ("bwd", "bwd_kv_kernel", dict(HAS_RB=True, HAS_KB=True, HYBRID=True)),
+    ("bwd", "bwd_q_kernel", dict(HAS_RB=True, HAS_KB=True, HYBRID=True)),
+]
+
+
+@pytest.mark.slow
+@needs_triton
+@pytest.mark.parametrize("dtype,D", [(torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float16, 64),
+                                     (torch.float32, 64)], ids=str)
+@pytest.mark.parametrize("case", COMPILE_CASES, ids=lambda c: "-".join([c[1], *(k for k in c[2] if c[2][k])]))
+def test_kernels_compile_for_sm90(monkeypatch, case, dtype, D):
+    """What the interpreter cannot check: the kernels as CUDA compiles them with dispatch's block sizes
+    (constexpr globals, dot shapes and dtypes), without local-memory spills, within shared memory."""
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    ns = loader.kernels("cuda")
+    module, name, flags = case
+    fn = getattr(getattr(ns, module), name)
+    bm, bn, warps = dispatch.CUDA_BLOCKS[D]
+    const = dict(flags, PREC="ieee", F32=False, BLOCK_M=bm, BLOCK_N=bn, D=D)
+    if "DV" in fn.arg_names:
+        const["DV"] = D
+    pointers = fn.arg_names[: fn.arg_names.index("sqb")]
+    sig = {a: "constexpr" if a in const else f"*{TL_TYPES[dtype]}" if a in DATA_POINTERS
+           else "*fp32" if a in pointers else "fp32" if a == "scale" else "i32" for a in fn.arg_names}
+    kernel = triton_compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": warps})
+    assert ".local" not in kernel.asm["ptx"], f"{name}: registers spill to local memory"
+    assert kernel.metadata.shared <= SHARED_LIMIT, f"{name}: {kernel.metadata.shared} bytes of shared memory"
+
+
+# ----------------------------------------------------------------------------------------------
 # CUDA (real sizes; skipped without a GPU)
 # ----------------------------------------------------------------------------------------------
 
@@ -336,6 +381,7 @@ def test_cuda_causal(ieee_float32_matmul, variant, kw, dtype):
 
 
 
+@pytest.mark.slow
 def test_attention_benchmark_options_on_cpu():
     """bench attention --heads/--head-dim/--dtype plumbing (no timing asserted; no Triton cases on CPU)."""
     from attnlab import bench

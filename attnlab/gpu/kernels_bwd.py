@@ -20,7 +20,7 @@ rows carry r = +inf, so no NaN appears.
 import triton
 import triton.language as tl
 
-NEG_INF = float("-inf")
+NEG_INF = tl.constexpr(float("-inf"))
 
 
 @triton.jit

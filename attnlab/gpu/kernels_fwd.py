@@ -24,10 +24,10 @@ backward's exp(l - r) is 0, never NaN).
 import triton
 import triton.language as tl
 
-NEG_INF = float("-inf")
+NEG_INF = tl.constexpr(float("-inf"))
 # A prefix sum below this (relative to the tile's column maximum, in the fast cumsum path) may have
 # lost its leading terms to float32 underflow (e^-87); such tiles take the exact log-space scan.
-PREFIX_TINY = 1e-20
+PREFIX_TINY = tl.constexpr(1e-20)
 
 
 @triton.jit
