@@ -177,6 +177,23 @@ def test_half_inputs(interpret, dtype):
     check_forward("hnas", {"u": 0.6}, "keys", 33, 33, 16, dtype=dtype)
 
 
+def test_strided_inputs_and_expanded_u(interpret):
+    """q, k, v as views of a (B, L, H, D) layout (no copy: the kernels take strides), u expanded."""
+    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in _inputs(33, 40, 16))
+    assert not q.is_contiguous()
+    u = torch.tensor(0.25).expand(1, H, 1, 1).requires_grad_()
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = gpu.fused_attend(*leaves, "hnas", u=u, mask=_mask("keys", 33, 40))
+    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    u64 = torch.tensor(0.25, dtype=torch.float64, requires_grad=True)
+    want = _reference(*ref_leaves, "hnas", _mask("keys", 33, 40), False, u64, None)
+    _close(out, want, "strided hnas")
+    got = torch.autograd.grad(out.sum(), [*leaves, u])
+    ref = torch.autograd.grad(want.sum(), [*ref_leaves, u64])
+    for name, a, b in zip("qkvu", got, ref, strict=True):
+        _close(a.sum() if name == "u" else a, b, f"strided grad {name}", 10 * TOL)
+
+
 def test_sinkhorn_grad_and_causal_grad_do_not_apply(interpret):
     q, k, v = (t.requires_grad_() for t in _inputs(5, 5, 16))
     assert gpu.fused_attend(q, k, v, "sinkhorn", iters=2) is None
