@@ -214,6 +214,16 @@ def test_does_not_apply(interpret):
     assert gpu.fused_attend(q[..., :0, :], k, v, "dnas") is None  # M = 0
     assert gpu.fused_attend(q, k, v, "hnas", u=torch.rand(7)) is None  # u varies along keys
     assert gpu.fused_attend(q, k, v, "sinkhorn", iters=2, causal=True) is None
+    assert gpu.fused_attend(q, k, v, "sinkhorn", tol=0.1) is None  # early stopping: not in the kernels
+
+
+def test_parameter_defaults_come_from_the_specs(interpret):
+    """Parameters not given take the spec's defaults (and its causal rule), as in attnlab.attend."""
+    q, k, v = _inputs(5, 7, 16)
+    for variant, causal in (("sinkhorn", False), ("sinkhorn", True), ("hnas", False)):
+        out = gpu.fused_attend(q, k, v, variant, causal=causal)
+        want = _reference(q.double(), k.double(), v.double(), variant, None, causal, None, None)
+        _close(out, want, f"{variant} causal={causal} at its defaults")
 
 
 def test_cpu_without_interpreter_or_triton(monkeypatch):

@@ -4,10 +4,13 @@ The kernels apply when triton imports; q is on CUDA (or on the CPU with TRITON_I
 interpreter that the tests use); q, k, v share one dtype of float32 / bfloat16 / float16; D and Dv are
 powers of two in [16, 128]; no dim is empty; the mask depends on the query alone, the key alone, or is
 their product (key and query padding; checked on the device, one comparison of the mask); u is one
-weight per (batch, head); and the variant has a kernel path below. Gradients: DNAS and HNAS (not
-causal) have Triton backward kernels; Sinkhorn with iters > 1 and causal DNAS/HNAS under autograd
-return None (the caller's PyTorch path computes them). Everything else returns None, never an error:
-the caller then takes its reference path, which also owns argument validation.
+weight per (batch, head); and the variant has a kernel path below (FAST_PATHS) that handles every
+parameter its spec declares (HANDLED), parameters not given taking the spec's defaults.
+
+Gradients: DNAS and HNAS (not causal) have Triton backward kernels; Sinkhorn with iters > 1 and
+causal DNAS/HNAS under autograd return None (the caller's PyTorch path computes them). Everything
+else returns None, never an error: the caller then takes its reference path, which also owns
+argument validation.
 """
 
 from __future__ import annotations
@@ -63,8 +66,6 @@ def _bias(valid: torch.Tensor | None) -> torch.Tensor | None:
 def _u4(u, B, H, device) -> torch.Tensor | None:
     """u as a float32-or-its-own-dtype 4-D tensor broadcastable to (B, H, 1, 1), or None when it varies
     within a head (or is not a float / floating tensor)."""
-    if u is None:
-        u = 0.5
     if not isinstance(u, torch.Tensor):
         if isinstance(u, bool) or not isinstance(u, (int, float)):
             return None
@@ -93,16 +94,45 @@ def _needs_grad(*ts) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in ts)
 
 
-def fused_attend(q, k, v, variant, *, mask=None, scale=None, causal=False, u=None, iters=None):
+def _variant_params(variant: str, causal: bool, given: dict) -> dict | None:
+    """The variant's parameters with its spec's defaults and causal rule (not value-checked: the
+    caller's reference path owns that), or None when the variant is unknown, the causal rule refuses,
+    or the spec declares a parameter that its kernel path does not handle."""
+    from attnlab.normalizers import variant_spec  # noqa: PLC0415 (attnlab.normalizers may import us)
+
+    try:
+        spec = variant_spec(variant)
+    except ValueError:
+        return None
+    params = {k: v for k, v in given.items() if v is not None and spec.param(k) is not None}
+    named = frozenset(params)
+    for p in spec.params:
+        params.setdefault(p.name, p.default)
+    if set(params) - HANDLED.get(variant, set()):
+        return None
+    if causal and spec.causal_rule is not None:
+        try:
+            params = spec.causal_rule(params, named)
+        except ValueError:
+            return None
+    return params
+
+
+def fused_attend(q, k, v, variant, *, mask=None, scale=None, causal=False, u=None, iters=None, **params):
     """Attention output (B, H, M, Dv) in q.dtype through the Triton kernels, or None where they do not
     apply (see the module docstring). Same semantics as ``attnlab.attend(q, k, v, variant, ...)``:
     rows without a valid key give 0, columns without a valid query contribute nothing.
 
     q (B, H, M, D), k (B, H, N, D), v (B, H, N, Dv); mask bool broadcastable to (B, H, M, N) or None;
-    u float or tensor broadcastable to (B, H, 1, 1) (HNAS); iters int >= 1 (Sinkhorn).
+    u float or tensor broadcastable to (B, H, 1, 1) (HNAS); iters int >= 1 (Sinkhorn); other variant
+    parameters by name (Sinkhorn's tol: only 0 has a kernel path). Parameters not given take the
+    variant spec's defaults.
     """
     run = FAST_PATHS.get(variant) if isinstance(variant, str) else None
     if run is None or not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return None
+    params = _variant_params(variant, bool(causal), {"u": u, "iters": iters, **params})
+    if params is None:
         return None
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return None
@@ -133,10 +163,10 @@ def fused_attend(q, k, v, variant, *, mask=None, scale=None, causal=False, u=Non
         return None
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     L = _launch(q, ns, mode_, scale, _bias(factored[0]), _bias(factored[1]))
-    return run(L, q, k, v, causal=bool(causal), u=u, iters=1 if iters is None else iters)
+    return run(L, q, k, v, causal=bool(causal), **params)
 
 
-def _dnas(L, q, k, v, *, causal, u, iters):
+def _dnas(L, q, k, v, *, causal):
     """Eq. (5): one column LSE pass, one biased row pass; causal: prefix potentials c_j(i)."""
     if causal:
         if _needs_grad(q, k, v):
@@ -148,7 +178,7 @@ def _dnas(L, q, k, v, *, causal, u, iters):
     return row_pass(L, q, k, v, c)[0]
 
 
-def _hnas(L, q, k, v, *, causal, u, iters):
+def _hnas(L, q, k, v, *, causal, u):
     """Eq. (12): u * pi_dnas V + (1 - u) * pi_unas V, both from one score tile per key block."""
     u4 = _u4(u, L.B, L.H, q.device)
     if u4 is None:
@@ -165,13 +195,15 @@ def _hnas(L, q, k, v, *, causal, u, iters):
     return row_pass(L, q, k, v, c, u_bh)[0]
 
 
-def _sinkhorn(L, q, k, v, *, causal, u, iters):
+def _sinkhorn(L, q, k, v, *, causal, iters, tol=0.0):
     """Eq. (10) by potentials: iters - 1 (row, column) LSE rounds after the first column pass, then the
     row pass; iters=1 (and causal, which allows only 1) is DNAS. Forward only for iters > 1."""
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1 or (causal and iters > 1):
         return None
+    if tol != 0:
+        return None  # early stopping: the PyTorch path checks the column masses between rounds
     if causal or iters == 1:
-        return _dnas(L, q, k, v, causal=causal, u=u, iters=1)
+        return _dnas(L, q, k, v, causal=causal)
     if _needs_grad(q, k, v):
         return None  # no kernel backward for Sinkhorn(iters > 1)
     return row_pass(L, q, k, v, sinkhorn_potentials(L, q, k, iters))[0]
@@ -180,3 +212,5 @@ def _sinkhorn(L, q, k, v, *, causal, u, iters):
 # Variant name -> kernel path (the lead declares these as the CUDA fast paths of the variant specs).
 # A variant not listed (unas: SDPA is its fast path; sparsemax, softmax1, ...) gets None.
 FAST_PATHS = {"dnas": _dnas, "hnas": _hnas, "sinkhorn": _sinkhorn}
+# The parameters each kernel path handles; a spec declaring another one makes the path not apply.
+HANDLED = {"dnas": set(), "hnas": {"u"}, "sinkhorn": {"iters", "tol"}}
