@@ -4,7 +4,9 @@ Every figure is a ratio to a baseline measured in the same run (machines are sha
 each is the median of several repeats. Tests never assert speed; docs/BENCHMARKS.md records runs.
 
 attention: each variant's ``attend`` time / torch SDPA's time, for S = 512..4096 (B=1, H=12, D=64,
-float32, no grad), and peak extra memory (max RSS growth of a fresh process running one call).
+float32, no grad; ``--heads``, ``--head-dim``, ``--dtype`` change them), and peak extra memory (max RSS
+growth of a fresh process running one call, CPU). On CUDA with triton, also attnlab.gpu's Triton
+kernels called directly (labels "... triton"), until they are attend's CUDA fast path.
 """
 
 from __future__ import annotations
@@ -18,6 +20,12 @@ import sys
 import time
 
 import torch
+
+
+def _gpu_fast_paths() -> dict:
+    from attnlab.gpu import FAST_PATHS  # noqa: PLC0415 (imports torch only, never triton)
+
+    return FAST_PATHS
 
 
 def attention_cases() -> list[tuple[str, str | None, dict]]:
@@ -40,21 +48,40 @@ def attention_cases() -> list[tuple[str, str | None, dict]]:
 
 
 CASES = attention_cases()
+# The variants with a Triton kernel path (attnlab.gpu.FAST_PATHS) through attnlab.gpu.fused_attend,
+# measured on CUDA when it applies, until the kernels are attend's CUDA fast path.
+TRITON_CASES = [(f"{lab} triton", var, kw) for lab, var, kw in CASES
+                if var in _gpu_fast_paths() and "return_weights" not in kw]
 SIZES = (512, 1024, 2048, 4096)
 B, H, D = 1, 12, 64
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _inputs(seq: int, device: str = "cpu"):
+def _inputs(seq: int, device: str = "cpu", heads: int = H, head_dim: int = D, dtype=torch.float32):
     gen = torch.Generator().manual_seed(0)
-    return [torch.randn(B, H, seq, D, generator=gen).to(device) for _ in range(3)]
+    return [torch.randn(B, heads, seq, head_dim, generator=gen).to(device=device, dtype=dtype)
+            for _ in range(3)]
 
 
-def _call(variant, kwargs, q, k, v):
+def _call(variant, kwargs, q, k, v, triton: bool = False):
     import attnlab
 
     if variant is None:
         return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    if triton:
+        from attnlab import gpu
+
+        out = gpu.fused_attend(q, k, v, variant, **kwargs)
+        if out is None:
+            raise RuntimeError(f"attnlab.gpu.fused_attend does not apply to {variant} {kwargs}")
+        return out
     return attnlab.attend(q, k, v, variant, **kwargs)
+
+
+def _triton_applies(q) -> bool:
+    from attnlab import gpu
+
+    return q.device.type == "cuda" and gpu.available(q) and gpu.fused_attend(q, q, q, "dnas") is not None
 
 
 def _sync(device):
@@ -102,20 +129,26 @@ with torch.no_grad():
     return float(res.stdout.strip().splitlines()[-1])
 
 
-def bench_attention(sizes=SIZES, device: str = "cpu", memory: bool = True, repeats: int = 5) -> dict:
+def bench_attention(sizes=SIZES, device: str = "cpu", memory: bool = True, repeats: int = 5,
+                    heads: int = H, head_dim: int = D, dtype: str = "float32") -> dict:
     """Times (s) and ratios to SDPA per size, and peak extra memory (MiB) per size (CPU only)."""
-    results = {"sizes": list(sizes), "device": device, "time_s": {}, "ratio": {}, "peak_extra_mib": {}}
+    results = {"sizes": list(sizes), "device": device, "heads": heads, "head_dim": head_dim, "dtype": dtype,
+               "time_s": {}, "ratio": {}, "peak_extra_mib": {}}
     with torch.no_grad():
         for seq in sizes:
-            q, k, v = _inputs(seq, device)
+            q, k, v = _inputs(seq, device, heads, head_dim, DTYPES[dtype])
             reps = repeats if seq <= 2048 else max(3, repeats // 2)
-            fns = {lab: (lambda v_=var, kw=kw, x=(q, k, v): _call(v_, kw, *x)) for lab, var, kw in CASES}
+            cases = [(lab, var, kw, False) for lab, var, kw in CASES]
+            if _triton_applies(q):
+                cases += [(lab, var, kw, True) for lab, var, kw in TRITON_CASES]
+            fns = {lab: (lambda v_=var, kw=kw, t=t, x=(q, k, v): _call(v_, kw, *x, triton=t))
+                   for lab, var, kw, t in cases}
             t = _interleaved_medians(fns, reps, device)
             results["time_s"][seq] = t
             results["ratio"][seq] = {lab: t[lab] / t["sdpa"] for lab in t}
             print(f"S={seq}: " + "  ".join(f"{lab} {r:.2f}x" for lab, r in results["ratio"][seq].items()),
                   flush=True)
-    if memory and device == "cpu":
+    if memory and device == "cpu" and (heads, head_dim, dtype) == (H, D, "float32"):
         for seq in sizes:
             results["peak_extra_mib"][seq] = {lab: _peak_extra_mib(lab, seq) for lab, _, _ in CASES}
             print(f"S={seq} peak extra MiB: " + "  ".join(
@@ -131,13 +164,14 @@ def machine() -> str:
 
 
 def attention_markdown(res: dict) -> str:
-    labels = [lab for lab, _, _ in CASES]
+    labels = list(res["ratio"][res["sizes"][0]])  # sdpa first, then every case measured
     lines = ["| S | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
     for seq in res["sizes"]:
         r = res["ratio"][seq]
         cells = [f"{res['time_s'][seq]['sdpa'] * 1e3:.1f} ms"] + [f"{r[lab]:.2f}x" for lab in labels[1:]]
         lines.append(f"| {seq} | " + " | ".join(cells) + " |")
     if res["peak_extra_mib"]:
+        labels = list(res["peak_extra_mib"][res["sizes"][0]])
         lines += ["", "Peak extra memory (MiB, max-RSS growth of a fresh process during one call):", "",
                   "| S | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
         for seq in res["sizes"]:
@@ -155,6 +189,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per case (median)")
+    parser.add_argument("--heads", type=int, default=H, help="attention: heads (B=1)")
+    parser.add_argument("--head-dim", type=int, default=D, help="attention: head dimension D")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="attention: input dtype")
     parser.add_argument("--json", help="also write the results as JSON to this file")
 
 
@@ -162,7 +199,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"machine: {machine()}  device: {args.device}", flush=True)
     if args.what == "attention":
         sizes = tuple(int(s) for s in args.sizes.split(","))
-        res = bench_attention(sizes, args.device, memory=not args.no_memory, repeats=args.repeats)
+        res = bench_attention(sizes, args.device, memory=not args.no_memory, repeats=args.repeats,
+                              heads=args.heads, head_dim=args.head_dim, dtype=args.dtype)
+        print(f"B=1, H={args.heads}, D={args.head_dim}, {args.dtype}")
         print()
         print(attention_markdown(res))
     elif args.what == "analysis":

