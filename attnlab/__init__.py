@@ -33,7 +33,7 @@ __version__ = "0.1.0"
 
 # Submodules with heavier imports (pandas, plotly, transformers) load on first use:
 # ``attnlab.stats.column_mass(...)`` works after a plain ``import attnlab``.
-_LAZY = {"stats", "figures", "hf", "modules", "models", "train", "data", "scores", "normalizers"}
+_LAZY = {"stats", "figures", "hf", "modules", "models", "train", "data", "scores", "normalizers", "gpu"}
 
 
 def __getattr__(name: str):

@@ -155,6 +155,13 @@ def attend(
     scale = check_scale(scale, 1.0 / math.sqrt(D) if D else 1.0)
 
     out_dtype = q.dtype
+    spec = variant_spec(variant)
+    if q.device.type == "cuda" and spec.gpu is not None and not return_weights and all_finite(q, k):
+        # the Triton kernels take the caller's dtypes (bf16/fp16 accumulate in float32) and strides
+        with torch.autocast(device_type="cuda", enabled=False):
+            out = spec.gpu(q, k, v, variant, mask, scale, ctx)
+        if out is not None:
+            return out.to(out_dtype)
     dt = compute_dtype(torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype))
     q, k, v = (t.to(dt).contiguous() for t in (q, k, v))
     if isinstance(ctx.params.get("u"), torch.Tensor):
@@ -163,7 +170,7 @@ def attend(
     # Under torch.autocast the products would run in half precision again (and HNAS would mix half
     # weights with a float32 u): attention is computed in float32 here whatever the caller's autocast.
     with torch.autocast(device_type=q.device.type, enabled=False):
-        fused = variant_spec(variant).fused
+        fused = spec.fused
         if not return_weights and fused is None:
             _note_materialized(variant)
         if not return_weights and fused is not None and all_finite(q, k):

@@ -18,6 +18,14 @@ TOL = Param("tol", float, 0.0, 0.0, 1.0,
             "stop Sinkhorn early once every column's mass is within tol of M/N (0 = run every round)")
 
 
+def triton_path(q, k, v, variant, mask, scale, ctx):
+    """The CUDA fast path: attnlab.gpu's Triton kernels (None where they do not apply, e.g. triton
+    not installed; attnlab.gpu imports triton only on first use)."""
+    from attnlab import gpu  # noqa: PLC0415
+
+    return gpu.fused_attend(q, k, v, variant, mask=mask, scale=scale, causal=ctx.causal, **ctx.params)
+
+
 def _sinkhorn_causal(params: dict, given: frozenset) -> dict:
     """Causal Sinkhorn with more rounds degenerates toward the identity: only iters=1 (= causal DNAS);
     when iters is not given, causal use takes 1."""
@@ -39,18 +47,21 @@ register_variant(
 )
 register_variant(
     "dnas", fn.dnas, label="DNAS", builtin=True, default=True, fused=fused_dnas, hf_kernel=True,
+    gpu=triton_path,
     summary="normalize over queries, then over keys: every key receives >= 1/N",
     reference='"Attention that does not Explain Away", Eq. 5',
     column_floor=lambda p: 1.0,
 )
 register_variant(
     "hnas", fn.hnas, label="HNAS", builtin=True, default=True, fused=fused_hnas, hf_kernel=True,
+    gpu=triton_path,
     summary="u * DNAS + (1 - u) * UNAS, u learned per head: every key receives >= u/N",
     reference='"Attention that does not Explain Away", Eq. 12',
     params=(U,), column_floor=lambda p: p["u"],
 )
 register_variant(
     "sinkhorn", fn.sinkhorn, label="Sinkhorn", builtin=True, default=True, fused=fused_sinkhorn,
+    gpu=triton_path,
     hf_kernel=lambda p: p["tol"] == 0,  # the analysis kernel runs every round (no tolerance)
     summary="iterated DNAS toward doubly stochastic (iters=1 is DNAS)",
     reference='"Attention that does not Explain Away", Eq. 10',

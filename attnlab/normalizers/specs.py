@@ -64,6 +64,8 @@ class VariantSpec:
     rows_sum_to_one: bool = True  # False: rows sum to <= 1 (e.g. softmax1's null key)
     causal_rule: CausalRule | None = None  # None: a causal mask is just a mask for this variant
     fused: Callable | None = None  # (q, k, v, mask, scale, ctx) -> out or None; None: materialized
+    # CUDA: (q, k, v, variant, mask, scale, ctx) -> out or None on the caller's dtypes (Triton kernels)
+    gpu: Callable | None = None
     # attnlab.hf's fused analysis computes it (a bool, or a predicate of the params); else materialized
     hf_kernel: bool | Callable[[Mapping[str, Any]], bool] = False
     default: bool = False  # analysed by default (hf.analyze, the CLI, the app)
