@@ -2,7 +2,7 @@
 which tokens fall below a threshold ε of the average key (DESIGN.md §4)."""
 
 import streamlit as st
-from appkit.analysis import settings_input, text_input, window_view
+from appkit.controls import inputs, window_view
 from appkit.show import show
 
 from attnlab.figures import app_views
@@ -15,8 +15,7 @@ st.caption(
     "Column mass m_j = Σ_i π_ij is the attention key j receives. UNAS can drive it to 0 (the key is "
     "*explained away*); DNAS guarantees m_j ≥ 1/N and HNAS m_j ≥ u/N (dashed lines)."
 )
-text = text_input(P)
-settings = settings_input(P)
+text, settings = inputs(P)
 view = window_view(P, settings, text)
 L, H, N = view.shape
 variants = list(view.weights)
@@ -51,7 +50,15 @@ st.caption(
     f"A key is ε-explained away when m_j · N / M < {eps:g}, i.e. it gets less than {eps:.0%} of "
     "what an average key gets."
 )
-show(P, "explained_away", "explained_away", view, {"eps": eps, "variants": variants}, text=text)
+show(
+    P,
+    "explained_away",
+    "explained_away",
+    view,
+    {"eps": eps, "variants": variants},
+    text=text,
+    width="stretch",
+)
 
 st.subheader("Most explained-away tokens")
 a, b = st.columns(2)

@@ -140,6 +140,7 @@ def attention_heatmap(
     zmax: float | None = None,
     focus: int | None = None,
     showscale: bool = True,
+    click_targets: bool = False,
 ) -> go.Figure:
     """One head's (M, N) weights with token labels on both axes and hover (query, key, weight).
 
@@ -147,8 +148,10 @@ def attention_heatmap(
     run top to bottom. Axis categories carry the position ("3: the"), so repeated tokens stay apart
     and the hover names both positions; every label is drawn while they fit (else every k-th, evenly).
     ``focus`` outlines one token's row and column (:func:`focus_shapes`); ``zmax`` fixes the top of
-    the colour scale (shared by compared panels). The single heatmap trace holds the weights
-    unchanged (float32).
+    the colour scale (shared by compared panels). The heatmap trace holds the weights unchanged
+    (float32). ``click_targets`` adds a second trace, one invisible marker per cell (``customdata`` =
+    [query, key, weight]), which carries the hover and makes cells clickable (plotly cannot select
+    heatmap cells); use it for maps of up to ~80 tokens.
     """
     w = as_array(weights, "weights", 2)
     M, N = w.shape
@@ -189,4 +192,23 @@ def attention_heatmap(
         tickfont={"size": font},
     )
     fig.update_layout(title=title, width=side + 80, height=side, shapes=focus_shapes(focus, M, N))
+    if click_targets:
+        qi, kj = (a.ravel() for a in np.indices((M, N)))
+        fig.data[0].hoverinfo = "skip"
+        fig.data[0].hovertemplate = None
+        hidden = {"marker": {"opacity": 0.0}}
+        fig.add_trace(
+            go.Scatter(
+                x=np.asarray(xs, dtype=object)[kj],
+                y=np.asarray(ys, dtype=object)[qi],
+                mode="markers",
+                marker={"size": max(6, (side - 170) // max(M, N)), "symbol": "square", "opacity": 0.0},
+                customdata=np.column_stack([qi, kj, w.ravel()]),
+                hovertemplate="query %{y}<br>key %{x}<br>weight %{customdata[2]:.4f}<extra></extra>",
+                showlegend=False,
+                selected=hidden,
+                unselected=hidden,
+            )
+        )
+        fig.update_layout(hovermode="closest")
     return fig

@@ -55,6 +55,7 @@ KINDS = (
     "js_distance",
 )
 PAIR_KINDS = ("difference", "js_distance")
+CLICKABLE_MAX_TOKENS = 80  # heatmaps up to this size get one click target per cell
 MULTI_KINDS = ("panels", "differences", *PAIR_KINDS)  # always a list of sources
 
 
@@ -137,7 +138,14 @@ def _one_head(kind: str, v: str, w: np.ndarray, tokens, p: dict) -> FigureBundle
     """heatmap, head_view, token_mass of one variant's (L, H, N, N) weights."""
     layer, head, focus = p["layer"], p.get("head"), p.get("focus")
     if kind == "heatmap":
-        fig = attention_heatmap(w[layer, head], tokens, title=f"{v}: layer {layer}, head {head}", focus=focus)
+        fig = attention_heatmap(
+            w[layer, head],
+            tokens,
+            title=f"{v}: layer {layer}, head {head}",
+            focus=focus,
+            zmax=p.get("zmax"),
+            click_targets=p.get("clickable", False) and w.shape[-1] <= CLICKABLE_MAX_TOKENS,
+        )
         return FigureBundle(
             fig, long_table(w[layer, head], []), {v: w[layer, head], "tokens": np.array(tokens)}
         )
