@@ -22,6 +22,9 @@ NPZ), ``chromium_available()``, ``ExportError``.
 
 from attnlab.figures.app_views import (
     KINDS,
+    MANIFEST_FORMAT,
+    MULTI_KINDS,
+    PAIR_KINDS,
     FigureBundle,
     analyze_command,
     build,
@@ -60,6 +63,9 @@ from attnlab.figures.export import (
 
 __all__ = [
     "KINDS",
+    "MANIFEST_FORMAT",
+    "MULTI_KINDS",
+    "PAIR_KINDS",
     "ExportError",
     "FigureBundle",
     "analyze_command",
