@@ -27,6 +27,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from attnlab.cli_variants import add_variant_arguments, parse_variants, variant_params
+from attnlab.normalizers import check_param
+
 EXIT_BAD_INPUT = 2
 EXIT_INTERNAL = 1
 DEFAULT_MAX_MB = 20.0
@@ -48,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="local model directory written by save_pretrained (default: the embedded MiniLM-L6)",
     )
-    add("--variants", default="unas,dnas,hnas,sinkhorn", help="comma-separated variants (default: all four)")
+    add_variant_arguments(parser)  # --variants and --u, --iters, --tol, ... from the registry
     add(
         "--mode",
         choices=("recompute", "swap"),
@@ -56,10 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="recompute: variants from the model's own q and k; swap: the variant replaces the model's "
         "attention (default: recompute)",
     )
-    add("--u", type=float, default=0.5, help="HNAS hybrid weight u in [0, 1] (default: 0.5)")
     add("--u-from", metavar="CHECKPOINT", default=None,
         help="u per layer and head from a trained attnlab HNAS checkpoint (its mean if the shapes differ)")
-    add("--iters", type=int, default=3, help="Sinkhorn iterations (default: 3; causal models use 1)")
     add(
         "--window",
         type=int,
@@ -180,14 +181,16 @@ def _output_dir(args) -> Path:
 
 
 def _run(args) -> int:
-    variants = _parse_list(args.variants, ("unas", "dnas", "hnas", "sinkhorn"), "variants")
+    variants = parse_variants(args.variants)
+    params = variant_params(args)
     formats = ()
     if args.formats.strip().lower() != "none":
         formats = _parse_list(args.formats, STATIC_FORMATS, "formats")
-    if not 0.0 <= args.u <= 1.0:
-        raise InputError(f"--u must be in [0, 1], got {args.u:g}")
-    if args.iters < 1:
-        raise InputError(f"--iters must be >= 1, got {args.iters}")
+    for name, value in params.items():  # the library's check, worded with the flag
+        try:
+            check_param(name, value)
+        except ValueError as e:
+            raise InputError(f"--{e}") from None
     if args.threads is not None and args.threads < 1:
         raise InputError(f"--threads must be >= 1, got {args.threads}")
     text, size, file_sha256 = read_text(args.file, args.max_mb)
@@ -205,8 +208,10 @@ def _run(args) -> int:
         raise InputError(str(e)) from None
     loaded = hf.load_model(args.model, device=device)
     u, u_note = _hnas_u(args, loaded.info)
+    if u is not None:
+        params["u"] = u
     stream = hf.stream_analysis(
-        text, loaded, variants, args.mode, u, args.iters, window=args.window, overlap=args.overlap
+        text, loaded, variants, args.mode, window=args.window, overlap=args.overlap, **params
     )
     if u_note:
         stream.notes.append(u_note)
@@ -230,7 +235,7 @@ def _run(args) -> int:
 def _hnas_u(args, info):
     """-> (u, note): --u, or the trained checkpoint's u per layer and head (its mean on a shape mismatch)."""
     if args.u_from is None:
-        return args.u, None
+        return args.u, None  # None: not given (the spec's default)
     from attnlab import hf
 
     u = hf.hnas_u_from_checkpoint(args.u_from)
@@ -401,6 +406,7 @@ def _manifest(args, stream, size: int, file_sha256: str, written: list[str], not
             "u": u.tolist() if hasattr(u, "tolist") else u,
             "iters": stream.iters,
             "iters_requested": args.iters,
+            "params": {k: v.tolist() if hasattr(v, "tolist") else v for k, v in stream.params.items()},
             "weights": args.weights,
             "device": str(stream.device),
         },

@@ -19,18 +19,27 @@ import time
 
 import torch
 
-# (label, variant, attend keyword arguments) measured by the attention benchmark; "dnas+weights"
-# is the materializing path (what a naive implementation holds), for the memory comparison.
-CASES = [
-    ("sdpa", None, {}),
-    ("unas", "unas", {}),
-    ("dnas", "dnas", {}),
-    ("hnas", "hnas", {}),
-    ("sinkhorn(1)", "sinkhorn", {"iters": 1}),
-    ("sinkhorn(2)", "sinkhorn", {"iters": 2}),
-    ("sinkhorn(3)", "sinkhorn", {"iters": 3}),
-    ("dnas+weights", "dnas", {"return_weights": True}),
-]
+
+def attention_cases() -> list[tuple[str, str | None, dict]]:
+    """(label, variant, attend keyword arguments) measured by the attention benchmark, from the
+    registry: SDPA (the baseline), every variant with a fused attend path at its defaults (Sinkhorn at
+    1, 2 and 3 rounds), and "dnas+weights", the materializing path (what a naive implementation
+    holds), for the memory comparison. Variants without a fused path materialize (S x S per head) and
+    are left out: their cost is that of "dnas+weights"."""
+    from attnlab.normalizers import variant_specs  # noqa: PLC0415
+
+    cases: list[tuple[str, str | None, dict]] = [("sdpa", None, {})]
+    for spec in variant_specs():
+        if spec.fused is None:
+            continue
+        if spec.param("iters") is not None:
+            cases += [(f"{spec.name}({n})", spec.name, {"iters": n}) for n in (1, 2, 3)]
+        else:
+            cases.append((spec.name, spec.name, {}))
+    return [*cases, ("dnas+weights", "dnas", {"return_weights": True})]
+
+
+CASES = attention_cases()
 SIZES = (512, 1024, 2048, 4096)
 B, H, D = 1, 12, 64
 

@@ -31,7 +31,7 @@ from safetensors.torch import save as st_save
 
 from attnlab.data import IGNORE_INDEX
 from attnlab.modules import AttentionConfig, GAMAttention, GAMConfig, MultiHeadAttention
-from attnlab.normalizers import REGISTRY
+from attnlab.normalizers import VARIANTS
 
 __all__ = [
     "ModelConfig",
@@ -99,7 +99,7 @@ class ModelConfig:
                 check(name, len(value) == self.n_layers, f"one value or a list of n_layers={self.n_layers}")
                 setattr(self, name, list(value))
         for v in self.layer_variants():
-            check("variant", v in REGISTRY, f"one of {tuple(REGISTRY)} (or a list of them)")
+            check("variant", v in VARIANTS, f"one of {tuple(VARIANTS)} (or a list of them)")
             if self.kind == "decoder" and v == "sinkhorn" and self.iters != 1:
                 raise ValueError(
                     f"ModelConfig.iters must be 1 for a causal 'sinkhorn' layer (got {self.iters}): "
@@ -209,13 +209,14 @@ class TransformerLM(nn.Module):
 
     def hybrid_weights(self) -> torch.Tensor:
         """u per layer and head, (L, H), detached: sigmoid(theta) for HNAS layers; the equivalent
-        mixing weight elsewhere: 0 for UNAS, 1 for DNAS (and Sinkhorn with iters=1), NaN for Sinkhorn
-        with more iterations (not a UNAS/DNAS mixture)."""
+        mixing weight elsewhere: 0 for UNAS, 1 for DNAS (and Sinkhorn with iters=1), NaN for every
+        other variant (Sinkhorn with more rounds, sparsemax, softmax1, ...: not a UNAS/DNAS mixture)."""
         rows = []
         for block, variant in zip(self.blocks, self.config.layer_variants(), strict=True):
             u = block.attn.hybrid_weight()
             if u is None:
-                fill = {"unas": 0.0, "dnas": 1.0}.get(variant, 1.0 if self.config.iters == 1 else math.nan)
+                one_round = variant == "sinkhorn" and self.config.iters == 1
+                fill = {"unas": 0.0, "dnas": 1.0}.get(variant, 1.0 if one_round else math.nan)
                 u = torch.full((self.config.n_heads,), fill)
             rows.append(u.detach().float().cpu())
         return torch.stack(rows)
@@ -271,8 +272,8 @@ class MultiViewModel(nn.Module):
     def __init__(self, d_feature: int, n_views: int, n_classes: int, variant: str = "unas",
                  d_model: int = 64, u: float = 0.5):
         super().__init__()
-        if variant not in REGISTRY:
-            raise ValueError(f"variant must be one of {tuple(REGISTRY)}, got {variant!r}")
+        if variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {tuple(VARIANTS)}, got {variant!r}")
         self.variant = variant
         self.q = nn.Linear(d_feature, d_model)
         self.k = nn.Linear(d_feature, d_model)

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attnlab.normalizers import REGISTRY, attend, attention_weights
+from attnlab.normalizers import VARIANTS, attend, attention_weights
 from attnlab.scores import polynomial_features, power_features, relative_positions
 
 __all__ = [
@@ -29,8 +29,8 @@ __all__ = [
 
 
 def _check_variant(variant: str, name: str = "variant") -> None:
-    if variant not in REGISTRY:
-        raise ValueError(f"{name} must be one of {tuple(REGISTRY)}, got {variant!r}")
+    if variant not in VARIANTS:
+        raise ValueError(f"{name} must be one of {tuple(VARIANTS)}, got {variant!r}")
 
 
 class HybridWeight(nn.Module):

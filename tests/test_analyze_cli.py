@@ -122,13 +122,16 @@ def test_long_text_windows_with_weights_per_window(tmp_path, capsys, tiny_model_
     src.write_text(" ".join(CORPUS * 5), encoding="utf-8")
     out = tmp_path / "out"
     argv = [src, "--model", tiny_model_dir("gpt2"), "--out", out, "--weights", "all", "--no-figures"]
+    # one causal rule everywhere (the spec's): iters > 1 asked of a causal model is refused, worded
     rc, err = _run([*argv, "--mode", "swap", "--iters", "5"], capsys)
+    assert rc == 2 and "iters must be 1 for causal sinkhorn (got iters=5)" in err
+    rc, err = _run([*argv, "--mode", "swap"], capsys)
     assert rc == 0, err
     assert "analysing" in err  # the progress bar
     manifest = json.loads((out / "manifest.json").read_text())
     n_windows = manifest["windowing"]["n_windows"]
     assert n_windows > 2 and len(list((out / "weights").glob("window_*.npz"))) == n_windows
-    assert manifest["settings"]["iters"] == 1 and manifest["settings"]["iters_requested"] == 5
+    assert manifest["settings"]["iters"] == 1 and manifest["settings"]["iters_requested"] is None
     assert any("causal" in note for note in manifest["notes"])
     table = pd.read_csv(out / "statistics.csv")
     assert sorted(table.window.unique()) == list(range(n_windows))

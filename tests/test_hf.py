@@ -13,8 +13,11 @@ import torch
 from conftest import CAUSAL_ARCHS, CORPUS, TINY_ARCHS, TINY_POSITIONS, build_tiny_model
 from transformers import AttentionInterface, AttentionMaskInterface
 
-from attnlab import VARIANTS, attention_weights, hf
+from attnlab import DEFAULT_VARIANTS, VARIANTS, attention_weights, hf, variant_specs
 from attnlab.hf.weights import _POOL, _variants_unmasked
+
+# the variants attnlab.hf's fused analysis computes (the others take the generic materialized path)
+KERNEL = tuple(s.name for s in variant_specs() if s.hf_kernel)
 
 TEXTS = ("The quick brown fox jumps over the lazy dog.", "Attention that does not explain away.")
 
@@ -124,7 +127,7 @@ def test_swap_unas_reproduces_the_stock_hidden_states(minilm, batch):
 def test_swap_with_output_attentions_returns_the_variant_weights(minilm, batch):
     """Layer 0 sees the same input in both modes, so its weights agree for every variant."""
     ids, mask = batch
-    recompute = hf.batch_weights(minilm, ids, mask, mode="recompute")
+    recompute = hf.batch_weights(minilm, ids, mask, variants=VARIANTS, mode="recompute")
     for variant in VARIANTS:
         with hf.use_variant(minilm.model, variant, iters=3), torch.no_grad():
             out = minilm.model(input_ids=ids, attention_mask=mask, output_attentions=True)
@@ -147,7 +150,7 @@ def test_padded_batch_gives_each_text_its_own_weights(minilm, batch, mode):
     for b in range(ids.shape[0]):
         n = int(mask[b].sum())
         alone = hf.batch_weights(minilm, ids[b : b + 1, :n], None, mode=mode)
-        for variant in VARIANTS:
+        for variant in DEFAULT_VARIANTS:
             w = together[variant][:, b]  # (L, H, N, N)
             torch.testing.assert_close(_valid_block(w, n), alone[variant][:, 0], atol=2e-5, rtol=0)
             assert w[..., n:, :].abs().sum() == 0 and w[..., :, n:].abs().sum() == 0  # padding gets nothing
@@ -175,7 +178,7 @@ def test_unmasked_fast_path_equals_attention_weights(spread):
     scale = [D**-0.5, 0.3]
     u = torch.rand(L, 1, H, 1, 1)
     for iters in (1, 2, 4):
-        for variants in (VARIANTS, ("sinkhorn",), ("hnas",)):
+        for variants in (KERNEL, ("sinkhorn",), ("hnas",)):
             fast = _variants_unmasked(q, k, scale, variants, u, iters)
             for layer in range(L):
                 s = q[layer] @ k[layer].transpose(-1, -2) * scale[layer]
@@ -285,7 +288,7 @@ def test_tiny_model_loads_and_analyses_in_both_modes(tiny_model_dir, arch):
             # later tokens never change earlier rows, in any layer (DNAS is leak-free)
             prefix = loaded.tokenizer(text)["input_ids"][: n - 4]
             short = hf.batch_weights(loaded, torch.tensor([prefix]), mode=mode)
-            for variant in VARIANTS:
+            for variant in DEFAULT_VARIANTS:
                 m = len(prefix)
                 torch.testing.assert_close(
                     short[variant][:, 0], result.weights[variant][..., :m, :m], atol=1e-5, rtol=0
@@ -516,10 +519,10 @@ def test_fused_path_handles_a_wide_head_and_matches_the_separate_computations():
     q[1, 0, 2] *= 12.0  # scores spanning far more than LINEAR_SPAN_MAX nats: the log-space path
     special = torch.zeros(N, dtype=torch.bool)
     special[[0, 5]] = True
-    weights, sums = _variants_with_sums(q, k, [0.5, 0.4], VARIANTS, 0.5, 3, [special])
-    expected = _variants_unmasked(q, k, [0.5, 0.4], VARIANTS, 0.5, 3)
-    ws = {v: weights[v][:, 0] for v in VARIANTS}
-    for v in VARIANTS:
+    weights, sums = _variants_with_sums(q, k, [0.5, 0.4], KERNEL, 0.5, 3, [special])
+    expected = _variants_unmasked(q, k, [0.5, 0.4], KERNEL, 0.5, 3)
+    ws = {v: weights[v][:, 0] for v in KERNEL}
+    for v in KERNEL:
         torch.testing.assert_close(ws[v], expected[v][:, 0], atol=1e-5, rtol=0)
     fast = stats._tidy_from_row_sums(sums, (L, H, N, N), special_index=0, u=0.5, eps=0.01, eps_relative=0.1,
                                      reference="unas")
@@ -527,7 +530,7 @@ def test_fused_path_handles_a_wide_head_and_matches_the_separate_computations():
 
 
 @pytest.mark.parametrize("N", [24, 64])  # 64: whole vectors, weights streamed to memory
-@pytest.mark.parametrize("variants", [VARIANTS, ("unas", "hnas"), ("dnas", "sinkhorn"), ("hnas",)])
+@pytest.mark.parametrize("variants", [KERNEL, ("unas", "hnas"), ("dnas", "sinkhorn"), ("hnas",)])
 @pytest.mark.parametrize("iters", [1, 2, 3])
 def test_kernel_and_pytorch_paths_agree(monkeypatch, variants, iters, N):
     """attnlab.hf's CPU kernel (attnlab/csrc/analysis_cpu.cpp: a whole head per call) and the PyTorch
@@ -590,3 +593,54 @@ def test_weight_memory_is_recycled_only_once_released(minilm):
     third = hf.analyze(text + " It slept.", minilm)  # same size: released memory is reused
     assert {t.data_ptr() for t in third.weights.values()} <= pool
     assert torch.get_num_threads() == threads
+
+
+def test_variants_without_a_fused_analysis_take_the_generic_path(minilm, english_text):
+    """sparsemax and softmax1 (no hf kernel) next to the fused four: the same weights as
+    attention_weights on the captured q, k, and statistics for every one of them."""
+    result = hf.analyze(english_text, minilm, variants=VARIANTS)
+    assert tuple(result.weights) == tuple(VARIANTS)
+    alone = hf.analyze(english_text, minilm, variants=DEFAULT_VARIANTS)
+    for v in DEFAULT_VARIANTS:
+        torch.testing.assert_close(result.weights[v], alone.weights[v], atol=2e-5, rtol=0)
+    n = len(result.tokens)
+    assert (result.weights["sparsemax"] == 0).any()  # exact zeros: explained away completely
+    torch.testing.assert_close(result.weights["sparsemax"].sum(-1), torch.ones(6, 12, n), atol=1e-5, rtol=0)
+    rows = result.weights["softmax1"].sum(-1)
+    assert bool((rows <= 1 + 1e-5).all()) and bool((rows < 1 - 1e-3).any())  # the null key takes the rest
+    table = result.table()
+    assert set(table.variant) == set(VARIANTS)
+    assert not table.value.isna().any()
+
+
+@pytest.mark.parametrize("mode", hf.MODES)
+def test_one_parameter_check_in_both_modes(minilm, mode):
+    """recompute and swap refuse the same u (range, NaN, shape) and iters, with the same words."""
+    text = "A short text."
+    cases = [({"u": 1.5}, "u must be a number in [0, 1], got 1.5"),
+             ({"u": float("nan")}, "u must be a number in [0, 1], got NaN"),
+             ({"u": torch.full((6, 12), -0.5)}, "u must be a number in [0, 1], got values in [-0.5, -0.5]"),
+             ({"u": torch.full((6, 5), 0.5)},
+              "u must be a number or a tensor broadcastable to (L, H) (6, 12)"),
+             ({"u": torch.full((2, 6, 12), 0.5)}, "u must be a number or a tensor broadcastable to (L, H)"),
+             ({"iters": 0}, "iters must be an integer in [1, 10000], got 0"),
+             ({"beta": 1}, "beta is not a parameter of any variant")]
+    for params, message in cases:
+        with pytest.raises(ValueError) as err:
+            hf.analyze(text, minilm, mode=mode, **params)
+        assert message in str(err.value), (params, str(err.value))
+    import numpy as np
+
+    a = hf.analyze(text, minilm, variants=("hnas",), mode=mode, u=np.float32(0.25))
+    b = hf.analyze(text, minilm, variants=("hnas",), mode=mode, u=0.25)
+    torch.testing.assert_close(a.weights["hnas"], b.weights["hnas"])
+
+
+def test_batch_weights_refuses_empty_and_out_of_vocabulary_ids(minilm):
+    for ids, message in [(torch.zeros(1, 0, dtype=torch.long), "input_ids must hold at least one token"),
+                         (torch.tensor([[101, 10**6]]), "input_ids must be token ids in [0, 30521]"),
+                         (torch.tensor([[-1, 101]]), "input_ids must be token ids in [0, 30521]"),
+                         (torch.tensor([[1.0, 2.0]]), "input_ids must be an integer tensor")]:
+        with pytest.raises(ValueError) as err:
+            hf.batch_weights(minilm, ids)
+        assert message in str(err.value)

@@ -126,7 +126,7 @@ def test_attend_kernel_equals_pytorch_path(monkeypatch, variant, mask_kind):
     """sinkhorn: whole heads held (sinkhorn_attend); sinkhorn-streamed: over the memory bound, one
     sinkhorn_round pass per round."""
     if variant == "sinkhorn-streamed":
-        monkeypatch.setattr(nz, "SINKHORN_HEAD_BYTES", 0)
+        monkeypatch.setattr(nz.kernel_paths, "SINKHORN_HEAD_BYTES", 0)
         variant = "sinkhorn"
     B, H, M, N = 2, 3, 150, 190
     q, k, v = _qkv(7, B, H, M, N, 16, 8)
@@ -152,9 +152,10 @@ def test_hnas_kernel_u_shapes_and_grad_fallback():
     outs = list(ref.values())
     for o in outs[1:]:
         torch.testing.assert_close(o, outs[0], atol=1e-6, rtol=1e-6)
-    # a u that varies within a head is not per (batch, head): the PyTorch path, same result
+    # a u that varies within a head is not a hybrid weight per (batch, head): refused, named
     u_rows = torch.full((1, 1, 140, 1), 0.3)
-    torch.testing.assert_close(attnlab.attend(q, k, v, "hnas", u=u_rows), outs[0], atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match=r"u must be a number or a tensor broadcastable to \(B, H, 1, 1\)"):
+        attnlab.attend(q, k, v, "hnas", u=u_rows)
     # with gradients the differentiable path runs (the kernel has no backward); same forward value
     qg = q.clone().requires_grad_()
     out = attnlab.attend(qg, k, v, "hnas", u=0.3)
@@ -172,7 +173,8 @@ def test_column_logsumexp_kernel_gradcheck(mask_kind):
     k = torch.randn(1, 2, 7, 3, generator=gen, dtype=torch.float64, requires_grad=True)
     b = torch.randn(1, 2, 9, generator=gen, dtype=torch.float64, requires_grad=True)
     mask = _masks(1, 2, 9, 7, gen)[mask_kind]
-    assert nz._lse_kernel(q.detach(), k.detach(), None, mask, 0.5) is not None  # the kernel path runs
+    # the kernel path runs
+    assert nz.kernel_paths.lse_kernel(q.detach(), k.detach(), None, mask, 0.5) is not None
     assert torch.autograd.gradcheck(lambda q, k, b: attnlab.column_logsumexp(q, k, mask, 0.5, b), (q, k, b))
 
 

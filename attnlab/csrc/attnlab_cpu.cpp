@@ -355,6 +355,13 @@ void sinkhorn_heads_impl(const T* q, const T* k, const T* v, const T* kb, const 
         for (int64_t j = 0; j < N; ++j) a[j] += exp_nonpos(sr[j] - cm[j]);
       }
       for (int64_t j = 0; j < N; ++j) c[j] = acc[j] > T(0) ? cmax[j] + std::log(acc[j]) : T(0);
+      // Re-centring: each round's column step targets column sums M_valid / N_valid instead of 1, a
+      // per-head constant log(M_valid / N_valid) that the row softmax cancels; without it c drifts
+      // by ln(M/N) per round and float32 loses digits over many rounds.
+      int64_t m_valid = 0, n_valid = 0;
+      for (int64_t i = 0; i < M; ++i) m_valid += row_ok[i] ? 1 : 0;
+      for (int64_t j = 0; j < N; ++j) n_valid += (kbp && kbp[j] == ninf) ? 0 : 1;
+      const T recentre = (m_valid > 0 && n_valid > 0) ? std::log(T(m_valid) / T(n_valid)) : T(0);
       // rounds: row step, then column step, on the held scores
       for (int64_t round = 1; round < iters; ++round) {
         std::fill(acc.begin(), acc.end(), T(0));
@@ -366,7 +373,7 @@ void sinkhorn_heads_impl(const T* q, const T* k, const T* v, const T* kb, const 
           for (int64_t j = 0; j < N; ++j) x[j] = sr[j] - cp[j];
           add_row_step(x, N, acc.data());
         }
-        for (int64_t j = 0; j < N; ++j) c[j] = acc[j] > T(0) ? c[j] + std::log(acc[j]) : T(0);
+        for (int64_t j = 0; j < N; ++j) c[j] = acc[j] > T(0) ? c[j] + std::log(acc[j]) - recentre : T(0);
       }
       // the last row step: softmax_j(s_ij - c_j), in place; rows with no valid key: 0
       for (int64_t i = 0; i < M; ++i) {

@@ -14,6 +14,29 @@ from attnlab.figures._data import as_array
 __all__ = ["column_mass_distribution", "explained_away_heatmap"]
 
 BOUND_STYLE = {"dnas": {"color": "black", "dash": "dash"}, "hnas": {"color": "dimgray", "dash": "dot"}}
+OTHER_BOUND = {"color": "gray", "dash": "dashdot"}
+
+
+def column_floors(data: Mapping, n_valid: int, u: float | None) -> list[tuple[str, str, float]]:
+    """(variant, label, value) of the column-mass floors to draw: DNAS's 1/N always (the reference
+    line), and the floor c/N each other variant among ``data``'s keys guarantees (its spec's
+    ``column_floor``), when its parameters are known (HNAS: ``u``)."""
+    from attnlab.normalizers import VARIANTS, variant_spec
+
+    bounds = [("dnas", f"1/N = 1/{n_valid} (DNAS floor)", 1.0 / n_valid)]
+    given = {} if u is None else {"u": u}
+    for name in dict.fromkeys([*data, *(["hnas"] if u is not None else [])]):  # u given: its floor too
+        if name not in VARIANTS or name == "dnas":
+            continue
+        spec = variant_spec(name)
+        if spec.column_floor is None or any(p.name not in given for p in spec.params):
+            continue  # no floor, or it depends on a parameter not given here
+        value = float(spec.column_floor(given))
+        if any(abs(value / n_valid - b[2]) < 1e-12 for b in bounds):
+            continue  # the same line (e.g. Sinkhorn's 1/N)
+        symbol = "/".join(p.name for p in spec.params) or f"{value:g}"
+        bounds.append((name, f"{symbol}/N = {value:g}/{n_valid} ({spec.display} floor)", value / n_valid))
+    return bounds
 
 
 def _ecdf(x: np.ndarray, max_points: int) -> tuple[np.ndarray, np.ndarray]:
@@ -63,9 +86,7 @@ def column_mass_distribution(
     positive = [x[x > 0] for x in data.values()]
     smallest = min([float(p.min()) for p in positive if p.size] + [1.0 / n_valid])
     floor = smallest / 10.0
-    bounds = [("dnas", f"1/N = 1/{n_valid} (DNAS floor)", 1.0 / n_valid)]
-    if u is not None:
-        bounds.append(("hnas", f"u/N = {u:g}/{n_valid} (HNAS floor)", u / n_valid))
+    bounds = column_floors(data, n_valid, u)
 
     fig = go.Figure()
     ymax = 1.0
@@ -92,7 +113,7 @@ def column_mass_distribution(
     ymax = ymax or 1.0
     for k, (key, label, value) in enumerate(bounds):
         fig.add_trace(go.Scatter(
-            x=[value, value], y=[0.0, ymax], name=label, mode="lines", line=BOUND_STYLE[key],
+            x=[value, value], y=[0.0, ymax], name=label, mode="lines", line=BOUND_STYLE.get(key, OTHER_BOUND),
             hovertemplate=f"{label} = {value:.4g}<extra></extra>",
         ))
         # annotations on a log axis are placed in log10 units (traces and shapes in data units)

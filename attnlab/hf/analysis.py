@@ -1,6 +1,6 @@
 """Analysing a text with every attention variant on a real model: results, windows, streaming.
 
-Data flow (DESIGN.md §5): text -> tokens -> windows -> model forward (capturing q, k per layer) ->
+Data flow (docs/DESIGN.md §5): text -> tokens -> windows -> model forward (capturing q, k per layer) ->
 weights per variant (:mod:`attnlab.hf.weights`, recompute or swap mode) -> statistics
 (``attnlab.stats``).
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attnlab.hf.interface import DEFAULT_ITERS, DEFAULT_U
+from attnlab.hf.interface import DEFAULT_U
 from attnlab.hf.loading import LoadedModel, ModelInfo, model_on
 from attnlab.hf.weights import check_arguments, window_weights_and_sums
 from attnlab.hf.windows import (
@@ -30,7 +30,7 @@ from attnlab.hf.windows import (
     special_affixes,
     tokenize_text,
 )
-from attnlab.normalizers import VARIANTS
+from attnlab.normalizers import DEFAULT_VARIANTS, check_params
 
 __all__ = [
     "hnas_u_from_checkpoint",
@@ -80,7 +80,7 @@ class WindowResult:
         """Tidy statistics of this window (``attnlab.stats.tidy_table``) with a ``window`` column.
 
         ``special_mass`` counts special tokens and, with ``include_punctuation``, punctuation tokens
-        (DESIGN.md §4). Other keyword arguments (eps, eps_relative, reference) go to ``tidy_table``.
+        (docs/DESIGN.md §4). Other keyword arguments (eps, eps_relative, reference) go to ``tidy_table``.
         """
         from attnlab import stats
 
@@ -231,12 +231,22 @@ class AnalysisStream:
     text: str
     variants: tuple[str, ...]
     mode: str
-    u: float | torch.Tensor
-    iters: int
+    params: dict  # the variant parameters given (checked; the specs' defaults fill the rest)
     windowing: Windowing
     tokenized: TokenizedText  # the whole text's tokens (compact arrays)
     text_sha256: str
     notes: list[str]
+
+    @property
+    def u(self) -> float | torch.Tensor:
+        """HNAS's hybrid weight in use (for the u/N bound)."""
+        return self.params.get("u", DEFAULT_U)
+
+    @property
+    def iters(self) -> int:
+        """Sinkhorn's rounds in use (causal models: 1 unless given)."""
+        causal = self.model.causal
+        return check_params("sinkhorn", {"iters": self.params.get("iters")}, causal=causal)["iters"]
 
     @property
     def model(self) -> ModelInfo:
@@ -256,7 +266,7 @@ class AnalysisStream:
             special = torch.from_numpy(window.special)
             masks = [special | torch.from_numpy(window.punctuation), special]  # table()'s two choices
             weights, sums = window_weights_and_sums(
-                self.loaded, ids, self.variants, self.mode, self.u, self.iters, masks
+                self.loaded, ids, self.variants, self.mode, self.params, masks
             )
             weights = {v: w[:, 0] for v, w in weights.items()}
             cache = None if sums is None else (sums, masks, _fingerprint(weights))
@@ -290,14 +300,15 @@ def _progress(stream: AnalysisStream, enabled: bool):
 def stream_analysis(
     text: str,
     model: LoadedModel | str | os.PathLike | None = None,
-    variants: Sequence[str] = VARIANTS,
+    variants: Sequence[str] = DEFAULT_VARIANTS,
     mode: str = "recompute",
-    u: float | torch.Tensor = DEFAULT_U,
-    iters: int = DEFAULT_ITERS,
+    u: float | torch.Tensor | None = None,
+    iters: int | None = None,
     *,
     window: int | None = None,
     overlap: int | None = None,
     device=None,
+    **params,
 ) -> AnalysisStream:
     """Plan the analysis of ``text`` (tokenize, cut into windows) without running the model yet.
 
@@ -308,15 +319,14 @@ def stream_analysis(
     if not text.strip():
         raise ValueError("text is empty (or only whitespace); there is nothing to analyse")
     loaded = model_on(model, device)
-    variants = check_arguments(variants, mode, u, iters)
     info = loaded.info
+    variants, given = check_arguments(variants, mode, {"u": u, "iters": iters, **params}, info)
     notes = []
-    if info.causal and "sinkhorn" in variants and iters > 1:
+    if info.causal and "sinkhorn" in variants and "iters" not in given:
         notes.append(
             f"{info.name} is causal: sinkhorn uses iters=1 (= causal DNAS), since causal Sinkhorn with "
-            f"more iterations degenerates toward the identity (requested iters={iters})"
+            "more iterations degenerates toward the identity"
         )
-        iters = 1
     if window is None:
         window = min(info.max_length, MAX_DEFAULT_WINDOW)
     elif isinstance(window, bool) or not isinstance(window, int) or not 0 < window <= info.max_length:
@@ -333,8 +343,7 @@ def stream_analysis(
         text=text,
         variants=variants,
         mode=mode,
-        u=u,
-        iters=iters,
+        params=given,
         windowing=windowing,
         tokenized=tokenized,
         text_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
@@ -345,26 +354,29 @@ def stream_analysis(
 def analyze(
     text: str,
     model: LoadedModel | str | os.PathLike | None = None,
-    variants: Sequence[str] = VARIANTS,
+    variants: Sequence[str] = DEFAULT_VARIANTS,
     mode: str = "recompute",
-    u: float | torch.Tensor = DEFAULT_U,
-    iters: int = DEFAULT_ITERS,
+    u: float | torch.Tensor | None = None,
+    iters: int | None = None,
     *,
     window: int | None = None,
     overlap: int | None = None,
     progress: bool = False,
     device=None,
+    **params,
 ) -> AnalysisResult:
     """Attention weights of every variant on a real model, for every layer and head.
 
     Args:
         text: the text to analyse (non-empty).
         model: None (the embedded MiniLM), a local model directory, or a :class:`LoadedModel`.
-        variants: any of ``attnlab.VARIANTS``.
+        variants: any of ``attnlab.VARIANTS`` (default: ``attnlab.DEFAULT_VARIANTS``, the paper's four).
         mode: "recompute" (variants computed from the model's own q and k) or "swap" (the variant
             replaces the model's attention; later layers change too).
-        u: HNAS hybrid weight in [0, 1], float or tensor broadcastable to (L, H).
-        iters: Sinkhorn iterations (causal models use 1, with a note in ``.notes``).
+        u: HNAS hybrid weight in [0, 1], float or tensor broadcastable to (L, H) (default 0.5).
+        iters: Sinkhorn rounds (default 3; a causal model uses 1 unless given, with a note in
+            ``.notes``, and refuses iters > 1).
+        **params: any other registered variant parameter (e.g. ``tol`` for Sinkhorn).
         window: tokens per window, special tokens included; default min(model max length, 512).
         overlap: text tokens shared by consecutive windows; default a quarter of a window.
         progress: show a tqdm bar over windows.
@@ -378,5 +390,5 @@ def analyze(
         :class:`AnalysisResult`; ``.weights[variant]`` is (L, H, N, N) for a single-window text.
     """
     stream = stream_analysis(text, model, variants, mode, u, iters, window=window, overlap=overlap,
-                             device=device)
+                             device=device, **params)
     return stream.collect(progress=progress)

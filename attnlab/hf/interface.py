@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +35,8 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from attnlab.normalizers import VARIANTS, attend
+from attnlab.normalizers import VARIANTS, attend, check_param, check_variant, parameter_names, variant_spec
+from attnlab.normalizers.checks import check_head_shape
 
 __all__ = [
     "PREFIX",
@@ -51,8 +53,8 @@ __all__ = [
 
 PREFIX = "attnlab_"  # registered names: attnlab_unas, attnlab_dnas, attnlab_hnas, attnlab_sinkhorn
 CAPTURE = "attnlab_capture"
-DEFAULT_U = 0.5  # sigmoid(theta_0 = 0)
-DEFAULT_ITERS = 3
+DEFAULT_U = variant_spec("hnas").param("u").default  # sigmoid(theta_0 = 0)
+DEFAULT_ITERS = variant_spec("sinkhorn").param("iters").default
 
 
 class UnsupportedModelError(ValueError):
@@ -62,10 +64,19 @@ class UnsupportedModelError(ValueError):
 
 @dataclass(frozen=True)
 class VariantSettings:
-    """Parameters of the variants inside a model."""
+    """Parameters of the variants inside a model: name -> value, as given (checked against their
+    declarations; a per-head parameter may be a tensor broadcastable to (L, H)). Missing ones take the
+    spec's default (and its causal rule) in each layer."""
 
-    u: float | torch.Tensor = DEFAULT_U  # HNAS hybrid weight, float or tensor broadcastable to (L, H)
-    iters: int = DEFAULT_ITERS  # Sinkhorn iterations (causal models allow only 1)
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def u(self):
+        return self.params.get("u", DEFAULT_U)
+
+    @property
+    def iters(self):
+        return self.params.get("iters", DEFAULT_ITERS)
 
 
 @dataclass
@@ -154,24 +165,29 @@ def _is_causal(module: torch.nn.Module, kwargs: dict) -> bool:
     return bool(getattr(module, "is_causal", False) if causal is None else causal)
 
 
-def _layer_u(u: float | torch.Tensor, layer: int, n_heads: int) -> float | torch.Tensor:
-    """u for one layer: a float, or (1, H, 1, 1) from a tensor broadcastable to (L, H)."""
-    if not isinstance(u, torch.Tensor):
-        return u
-    if u.dim() == 2 and u.shape[0] > 1:
-        if layer >= u.shape[0]:
-            raise ValueError(f"u has values for {u.shape[0]} layers, but the model has more (layer {layer})")
-        row = u[layer]  # (H,) or (1,)
+def _layer_value(value, layer: int, n_heads: int):
+    """A per-head parameter for one layer: a number, or (1, H, 1, 1) from a tensor broadcastable to (L, H)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.dim() == 2 and value.shape[0] > 1:
+        if layer >= value.shape[0]:
+            raise ValueError(f"u has values for {value.shape[0]} layers, but the model has more "
+                             f"(layer {layer})")
+        row = value[layer]  # (H,) or (1,)
     else:
-        row = u.reshape(-1)  # (H,) or (1,): the same for every layer
+        row = value.reshape(-1)  # (H,) or (1,): the same for every layer
     return row.expand(n_heads).reshape(1, n_heads, 1, 1)
 
 
-def _settings_for(module: torch.nn.Module, run: _Run | None, kwargs: dict) -> VariantSettings:
-    base = run.settings if run is not None else VariantSettings()
-    u = kwargs.get("attnlab_u", getattr(module, "attnlab_u", base.u))
-    iters = kwargs.get("attnlab_iters", getattr(module, "attnlab_iters", base.iters))
-    return VariantSettings(u=u, iters=iters)
+def _settings_for(module: torch.nn.Module, run: _Run | None, kwargs: dict) -> dict:
+    """The parameters given for this call: the run's, overridden by the module's ``attnlab_<name>``
+    attributes and the call's ``attnlab_<name>`` keywords (e.g. a model's learned u per layer)."""
+    params = dict(run.settings.params) if run is not None else {}
+    for name in parameter_names():
+        value = kwargs.get(f"attnlab_{name}", getattr(module, f"attnlab_{name}", None))
+        if value is not None:
+            params[name] = value
+    return params
 
 
 def _next_layer(run: _Run | None) -> int:
@@ -198,16 +214,13 @@ def _variant_attention(variant: str):
             )
         mask = to_bool_mask(attention_mask, N)
         causal = causal and M == N and M > 1
-        iters = settings.iters if variant == "sinkhorn" else None
-        if variant == "sinkhorn" and causal:
-            iters = 1  # causal Sinkhorn degenerates for iters > 1 (DESIGN.md §2): causal DNAS
-        u = _layer_u(settings.u, layer, query.shape[1]) if variant == "hnas" else None
-        if isinstance(u, torch.Tensor):
-            u = u.to(query.device)  # a CPU tensor of the user's, the model on a GPU
+        params = {name: _layer_value(value, layer, query.shape[1]) for name, value in settings.items()}
+        params = {name: value.to(query.device) if isinstance(value, torch.Tensor) else value
+                  for name, value in params.items()}  # a CPU tensor of the user's, the model on a GPU
         want = bool(kwargs.get("output_attentions")) or (run is not None and run.return_weights)
         p = dropout if module.training else 0.0
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-        kw = dict(mask=mask, causal=causal, u=u, iters=iters, scale=scale)
+        kw = dict(mask=mask, causal=causal, scale=scale, **params)
         if not (want or p > 0):
             return attend(query, key, value, variant, **kw).transpose(1, 2).contiguous(), None
         _, weights = attend(query, key, value, variant, return_weights=True, **kw)  # (B, H, M, N)
@@ -245,8 +258,7 @@ def _capture_attention(module, query, key, value, attention_mask, scaling=None, 
 
 def implementation_name(variant: str) -> str:
     """``"dnas"`` -> ``"attnlab_dnas"`` (the name registered with transformers)."""
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    check_variant(variant)
     return PREFIX + variant
 
 
@@ -271,21 +283,23 @@ def register_attention_functions() -> tuple[str, ...]:
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_settings(u, iters) -> VariantSettings:
-    if isinstance(u, torch.Tensor):
-        if not u.is_floating_point() or u.dim() > 2:
-            raise ValueError(
-                f"u must be a float or a float tensor broadcastable to (L, H), got {tuple(u.shape)}"
-            )
-        if u.numel() and not (0.0 <= float(u.min()) and float(u.max()) <= 1.0):
-            raise ValueError(f"u must lie in [0, 1], got values in [{float(u.min()):g}, {float(u.max()):g}]")
-    elif isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 <= float(u) <= 1.0:
-        raise ValueError(f"u must be a float in [0, 1] (or a tensor of them per layer/head), got {u!r}")
-    else:
-        u = float(u)
-    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
-        raise ValueError(f"iters must be an integer >= 1, got {iters!r}")
-    return VariantSettings(u=u, iters=iters)
+def check_settings(params: Mapping[str, Any], n_layers: int | None = None,
+                   n_heads: int | None = None) -> VariantSettings:
+    """Variant parameters for a model, each checked against its declaration (one check per
+    parameter, attnlab.normalizers.specs); a per-head tensor must broadcast to (L, H)."""
+    given = {}
+    for name, value in params.items():
+        if value is None:
+            continue
+        value = check_param(name, value)
+        if isinstance(value, torch.Tensor):
+            if n_layers and n_heads:
+                check_head_shape(name, value, (n_layers, n_heads), "(L, H)")
+            elif value.dim() > 2:
+                raise ValueError(f"{name} must be a number or a tensor broadcastable to (L, H), got shape "
+                                 f"{tuple(value.shape)}")
+        given[name] = value
+    return VariantSettings(params=given)
 
 
 @contextlib.contextmanager
@@ -321,9 +335,8 @@ def use_variant(
     model,
     variant: str,
     *,
-    u: float | torch.Tensor = DEFAULT_U,
-    iters: int = DEFAULT_ITERS,
     return_weights=False,
+    **params,
 ) -> Iterator[None]:
     """Run ``model`` with an attnlab variant in place of its attention (swap mode).
 
@@ -332,10 +345,15 @@ def use_variant(
         with use_variant(model, "dnas"):
             out = model(**batch, output_attentions=True)   # out.attentions: DNAS weights per layer
 
-    ``u`` (HNAS) is a float or a tensor broadcastable to (L, H); ``iters`` is Sinkhorn's iteration
-    count (causal models use 1). The previous implementation is restored on exit, also on error.
+    ``**params`` are the variants' parameters (``u``: HNAS, a float or a tensor broadcastable to
+    (L, H); ``iters``, ``tol``: Sinkhorn, whose causal use takes iters=1). The previous implementation
+    is restored on exit, also on error. A variant registered after import is registered with
+    transformers here.
     """
-    run = _Run(settings=_check_settings(u, iters), return_weights=return_weights)
+    register_attention_functions()
+    config = getattr(model, "config", None)
+    shape = (getattr(config, "num_hidden_layers", None), getattr(config, "num_attention_heads", None))
+    run = _Run(settings=check_settings(params, *shape), return_weights=return_weights)
     with _implementation(model, implementation_name(variant), run):
         yield
 

@@ -18,16 +18,24 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from attnlab import stats
-from attnlab.hf.interface import DEFAULT_ITERS, DEFAULT_U, CapturedLayer, capture_qk, use_variant
+from attnlab.hf.interface import CapturedLayer, capture_qk, check_settings, use_variant
 from attnlab.hf.loading import LoadedModel, model_on
-from attnlab.normalizers import VARIANTS, attention_weights
+from attnlab.normalizers import (
+    DEFAULT_VARIANTS,
+    VARIANTS,
+    attention_weights,
+    check_params,
+    check_variant,
+    variant_spec,
+)
 
 __all__ = ["MODES", "LINEAR_SPAN_MAX", "batch_weights"]
 
@@ -41,25 +49,43 @@ MODES = ("recompute", "swap")
 # ----------------------------------------------------------------------------------------------
 
 
-def check_arguments(variants, mode, u, iters) -> tuple[str, ...]:
-    """-> the variants as a tuple without repeats; ValueError naming any bad argument."""
+def check_arguments(variants, mode, params: Mapping[str, Any], info=None) -> tuple[tuple[str, ...], dict]:
+    """-> (the variants as a tuple without repeats, the given parameters checked); ValueError naming
+    any bad argument. ``params`` holds every variant parameter the caller passed (None = not given);
+    with ``info`` (a ModelInfo) per-head tensors must broadcast to (L, H) and a causal model applies
+    each variant's causal rule (Sinkhorn: iters=1 unless given; iters > 1 refused)."""
     if isinstance(variants, str):
         variants = (variants,)
     variants = tuple(variants)
     if not variants:
         raise ValueError("variants must name at least one of " + ", ".join(VARIANTS))
     for v in variants:
-        if v not in VARIANTS:
-            raise ValueError(f"variants must be among {VARIANTS}, got {v!r}")
+        check_variant(v, "variants")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
-        raise ValueError(f"iters must be an integer >= 1, got {iters!r}")
-    if not isinstance(u, torch.Tensor) and (
-        isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 <= u <= 1.0
-    ):
-        raise ValueError(f"u must be a float in [0, 1] (or a tensor broadcastable to (L, H)), got {u!r}")
-    return tuple(dict.fromkeys(variants))
+    shape = (info.n_layers, info.n_heads) if info is not None else (None, None)
+    given = check_settings(params, *shape).params
+    if info is not None and info.causal:
+        for v in variants:
+            check_params(v, given, causal=True)
+    return tuple(dict.fromkeys(variants)), given
+
+
+# The variants the fused analysis (this module's linear/log layer passes and attnlab_hf.head) is
+# written for; their specs declare hf_kernel. Any other variant takes the generic materialized path.
+KERNEL_VARIANTS = ("unas", "dnas", "hnas", "sinkhorn")
+
+
+def _check_kernel_variants(variants) -> None:
+    other = [v for v in variants if v not in KERNEL_VARIANTS]
+    if other:  # never hand out buffers nobody fills
+        raise ValueError(f"variants {other} have no fused analysis path (only {KERNEL_VARIANTS})")
+
+
+def _fast(variant: str, params: Mapping[str, Any]) -> bool:
+    """True when attnlab.hf's fused analysis computes ``variant`` with these parameters."""
+    kernel = variant_spec(variant).hf_kernel
+    return variant in KERNEL_VARIANTS and bool(kernel(params) if callable(kernel) else kernel)
 
 
 def _layer_mask(c: CapturedLayer, valid: torch.Tensor) -> torch.Tensor | None:
@@ -84,11 +110,11 @@ def _u_per_layer(u, n_layers: int, n_heads: int, device=None):
     return table[:, None, :, None, None]
 
 
-def _recompute(loaded: LoadedModel, input_ids, attention_mask, variants, u, iters) -> dict[str, torch.Tensor]:
-    return _recompute_with_sums(loaded, input_ids, attention_mask, variants, u, iters)[0]
+def _recompute(loaded: LoadedModel, input_ids, attention_mask, variants, given) -> dict[str, torch.Tensor]:
+    return _recompute_with_sums(loaded, input_ids, attention_mask, variants, given)[0]
 
 
-def _recompute_with_sums(loaded, input_ids, attention_mask, variants, u, iters, specials=None):
+def _recompute_with_sums(loaded, input_ids, attention_mask, variants, given, specials=None):
     """-> (weights as in :func:`_recompute`, row sums of every variant for the tidy table or None).
 
     The row sums (``attnlab.stats._row_sums`` layout over L*H maps, special-token masses for each
@@ -106,9 +132,13 @@ def _recompute_with_sums(loaded, input_ids, attention_mask, variants, u, iters, 
     q = torch.stack([c.query for c in captured]).float()  # (L, B, H, N, D)
     k = torch.stack([c.key for c in captured]).float()  # (L, B, H, N, D)
     scale = [c.scaling for c in captured]
+    params = {v: check_params(v, given, causal=causal) for v in variants}
+    fast = [v for v in variants if _fast(v, params[v])]
+    u = params["hnas"]["u"] if "hnas" in params else 0.5
+    iters = params["sinkhorn"]["iters"] if "sinkhorn" in params else 1
     u_l = _u_per_layer(u, len(captured), q.shape[2], q.device)
     masks = [_layer_mask(c, valid) for c in captured]
-    if not causal and all(m is None for m in masks):
+    if not causal and all(m is None for m in masks) and len(fast) == len(variants):
         if specials is not None and q.shape[1] == 1 and q.device.type == "cpu":
             return _variants_with_sums(q, k, scale, variants, u_l, iters, specials)
         return _variants_unmasked(q, k, scale, variants, u_l, iters), None
@@ -116,16 +146,13 @@ def _recompute_with_sums(loaded, input_ids, attention_mask, variants, u, iters, 
     everything = torch.ones(B, 1, N, N, dtype=torch.bool, device=q.device)  # a layer without a mask
     mask = torch.stack([everything if m is None else m for m in masks])  # (L, B, 1, N, N)
     scale_l = torch.tensor(scale, dtype=q.dtype, device=q.device).reshape(-1, 1, 1, 1, 1)
-    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale_l)
-    weights = {  # (L, B, H, N, N) each
-        variant: attention_weights(
-            scores,
-            variant,
-            mask=mask,
-            causal=causal,
-            u=u_l if variant == "hnas" else None,
-            iters=iters if variant == "sinkhorn" else None,
-        )
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale_l)  # (L, B, H, N, N)
+    per_head = {name: _u_per_layer(value, len(captured), q.shape[2], q.device)
+                for name, value in given.items() if isinstance(value, torch.Tensor)}
+    weights = {  # (L, B, H, N, N) each: the generic materialized path, every registered variant
+        variant: attention_weights(scores, variant, mask=mask, causal=causal,
+                                   **{**params[variant], **{k: t for k, t in per_head.items()
+                                                            if k in params[variant]}})
         for variant in variants
     }
     return weights, None
@@ -145,6 +172,7 @@ def _variants_unmasked(q, k, scale, variants, u, iters) -> dict[str, torch.Tenso
     others :func:`_layer_log` (log space).
     q, k: (L, B, H, N, D); scale: L floats; u: float or (L, 1, H, 1, 1). Returns (L, B, H, N, N).
     """
+    _check_kernel_variants(variants)
     L, B, H, N, _ = q.shape
     out = {v: q.new_empty(L, B, H, N, N) for v in variants}
     s, x = q.new_empty(B, H, N, N), q.new_empty(B, H, N, N)  # scores, scratch
@@ -306,6 +334,7 @@ def _variants_with_sums(q, k, scale, variants, u, iters, specials):
     """
     from attnlab import kernels  # (not at import: importing attnlab builds nothing)
 
+    _check_kernel_variants(variants)
     L, B, H, N, _ = q.shape
     assert B == 1
     LH = L * H
@@ -573,10 +602,10 @@ def _layer_log(s, x, pu, pd, ph, ps, u, iters) -> None:
     torch.softmax(torch.sub(s, c, out=x), -1, out=ps)
 
 
-def _swap(loaded: LoadedModel, input_ids, attention_mask, variants, u, iters) -> dict[str, torch.Tensor]:
+def _swap(loaded: LoadedModel, input_ids, attention_mask, variants, given) -> dict[str, torch.Tensor]:
     out = {}
     for variant in variants:
-        with use_variant(loaded.model, variant, u=u, iters=iters, return_weights=True):
+        with use_variant(loaded.model, variant, return_weights=True, **given):
             res = loaded.model(
                 input_ids=input_ids, attention_mask=attention_mask, output_attentions=True, use_cache=False
             )
@@ -588,12 +617,13 @@ def batch_weights(
     model: LoadedModel | str | os.PathLike | None,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
-    variants: Sequence[str] = VARIANTS,
+    variants: Sequence[str] = DEFAULT_VARIANTS,
     mode: str = "recompute",
-    u: float | torch.Tensor = DEFAULT_U,
-    iters: int = DEFAULT_ITERS,
+    u: float | torch.Tensor | None = None,
+    iters: int | None = None,
     *,
     device=None,
+    **params,
 ) -> dict[str, torch.Tensor]:
     """Weights of every variant for a (padded) batch.
 
@@ -601,7 +631,7 @@ def batch_weights(
         model: a :class:`LoadedModel`, a model directory, or None for the embedded default.
         input_ids: (B, N) token ids, padded on the right.
         attention_mask: (B, N) 1 for real tokens, 0 for padding (default: all ones).
-        variants, mode, u, iters: as in :func:`analyze`; causal models use iters=1 for sinkhorn.
+        variants, mode, u, iters, **params: as in :func:`analyze`.
         device: where the model runs, as in :func:`analyze` (None: the loaded model's device, the CPU
             for a directory).
 
@@ -610,38 +640,45 @@ def batch_weights(
         valid rows sum to 1.
     """
     loaded = model_on(model, device)
-    variants = check_arguments(variants, mode, u, iters)
+    variants, given = check_arguments(variants, mode, {"u": u, "iters": iters, **params}, loaded.info)
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype in (torch.bool,) \
+            or input_ids.is_floating_point() or input_ids.is_complex():
+        seen = f"dtype {input_ids.dtype}" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"input_ids must be an integer tensor (B, N), got {seen}")
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be (B, N), got shape {tuple(input_ids.shape)}")
+    if input_ids.numel() == 0:
+        raise ValueError(f"input_ids must hold at least one token, got shape {tuple(input_ids.shape)}")
+    vocab = loaded.model.get_input_embeddings().num_embeddings
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"input_ids must be token ids in [0, {vocab - 1}] for {loaded.info.name}, "
+                         f"got values in [{lo}, {hi}]")
     attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     if attention_mask.shape != input_ids.shape:
         raise ValueError(
             f"attention_mask must match input_ids {tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}"
         )
-    if loaded.info.causal:
-        iters = 1  # causal Sinkhorn degenerates for iters > 1 (DESIGN.md §2)
     run = _recompute if mode == "recompute" else _swap
     dev = loaded.device
     with loaded.lock, torch.no_grad():
-        weights = run(loaded, input_ids.to(dev), attention_mask.to(dev), variants, u, iters)
+        weights = run(loaded, input_ids.to(dev), attention_mask.to(dev), variants, given)
     return {v: w.cpu() for v, w in weights.items()}
 
 
-def window_weights_and_sums(loaded: LoadedModel, input_ids, variants, mode, u, iters, specials):
+def window_weights_and_sums(loaded: LoadedModel, input_ids, variants, mode, given, specials):
     """One window (input_ids (1, N), no padding): (weights {variant: (L, 1, H, N, N)} on the CPU, row
     sums for ``attnlab.stats._tidy_from_row_sums`` or None). On the CPU the sums come with the weights
     when the fused path applies (recompute mode, bidirectional model); on a GPU they are always
     computed there, from the weights, before these are copied to the CPU."""
-    if loaded.info.causal:
-        iters = 1
     dev = loaded.device
     ids = input_ids.to(dev)
     ones = torch.ones_like(ids)
     with loaded.lock, torch.no_grad():
         if mode != "recompute":
-            weights, sums = _swap(loaded, ids, ones, variants, u, iters), None
+            weights, sums = _swap(loaded, ids, ones, variants, given), None
         else:
-            weights, sums = _recompute_with_sums(loaded, ids, ones, variants, u, iters, specials)
+            weights, sums = _recompute_with_sums(loaded, ids, ones, variants, given, specials)
         if dev.type == "cpu":
             return weights, sums
         sums = _row_sums_of(weights, specials)

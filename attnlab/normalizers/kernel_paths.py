@@ -1,0 +1,147 @@
+"""attnlab's CPU kernels (attnlab/kernels.py) as the fast paths of the normalizers need them.
+
+Each function returns the kernel's result, or None where the kernel does not apply (not built,
+``ATTNLAB_KERNELS=0``, not CPU float32/64, gradients needed, a mask that depends on both i and j,
+empty problems, ...); the caller then takes a PyTorch path with the same result.
+Shapes: q (B, H, M, D), k (B, H, N, D), v (B, H, N, Dv); the kernels take (B*H, L, D) with a
+contiguous last dimension.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from attnlab.normalizers.functions import NEG_INF
+
+# Sinkhorn without gradients on CPU holds one head's (M, N) scores per thread while it iterates when
+# that takes at most this many bytes in all (else it streams: one score product per half-step).
+SINKHORN_HEAD_BYTES = 256 * 2**20
+# The whole-head Sinkhorn kernel runs at most this many rounds in one call: longer runs (and runs with
+# a tolerance) go round by round, so that Ctrl-C and the tolerance are honoured between rounds.
+SINKHORN_KERNEL_ROUNDS = 64
+
+
+def flash_lse_available(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
+
+
+def cpu_ops():
+    """attnlab's CPU kernels (attnlab/kernels.py) or None; imported here so that importing attnlab
+    builds nothing."""
+    from attnlab import kernels  # noqa: PLC0415
+
+    return kernels.cpu_ops()
+
+
+def heads_flat(t: torch.Tensor) -> torch.Tensor:
+    """(B, H, L, D) -> (B*H, L, D) with a contiguous last dimension, as the CPU kernels take it."""
+    t = t.reshape(t.shape[0] * t.shape[1], *t.shape[-2:])
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def kernel_shapes(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """The CPU kernels take q (B, H, M, D), k (B, H, N, D) with the same B, H and nothing empty."""
+    return q.shape[:2] == k.shape[:2] and q.numel() > 0 and k.numel() > 0
+
+
+def separable(mask: torch.Tensor | None) -> bool:
+    """True when the mask depends on the query alone (..., M, 1) or on the key alone (..., 1, N)."""
+    return mask is None or mask.shape[-1] == 1 or mask.shape[-2] == 1
+
+
+def lse_kernel(q, k, bias, mask, scale):
+    """Column LSE (B, H, N) through attnlab's CPU kernel (kernels.col_lse), or None where it does not
+    apply (not built, a mask that depends on both i and j). An invalid query enters as bias -inf; a
+    key-only mask changes nothing here (the caller zeroes columns without a valid query)."""
+    ops = cpu_ops()
+    if ops is None or not separable(mask) or not kernel_shapes(q, k):
+        return None
+    B, H, M, _ = q.shape
+    rb = None if bias is None else bias.expand(B, H, M)
+    if mask is not None and mask.shape[-1] == 1:
+        rows = mask[..., 0].expand(B, H, M)
+        rb = (torch.zeros((), dtype=q.dtype) if rb is None else rb).masked_fill(~rows, NEG_INF)
+    rb = None if rb is None else rb.reshape(B * H, M).to(q.dtype).contiguous()
+    return ops.col_lse(heads_flat(q), heads_flat(k), rb, scale).view(B, H, k.shape[-2])
+
+
+def separable_biases(q, k, mask):
+    """A query-only or key-only mask as the kernels' additive biases: key_bias (B*H, N) and row_bias
+    (B*H, M), 0 or -inf, each None when the mask does not restrict that side."""
+    B, H, M, _ = q.shape
+    N = k.shape[-2]
+    key_bias = row_bias = None
+    if mask is not None and mask.shape[-2] == 1:
+        key_bias = torch.zeros((), dtype=q.dtype).masked_fill(~mask[..., 0, :], NEG_INF)
+        key_bias = key_bias.expand(B, H, N).reshape(B * H, N).contiguous()
+    if mask is not None and mask.shape[-1] == 1:
+        row_bias = torch.zeros((), dtype=q.dtype).masked_fill(~mask[..., 0], NEG_INF)
+        row_bias = row_bias.expand(B, H, M).reshape(B * H, M).contiguous()
+    return key_bias, row_bias
+
+
+def head_weights(u, q) -> torch.Tensor | None:
+    """u as one weight per (batch, head), (B*H,), or None when it varies within a head."""
+    B, H = q.shape[:2]
+    if not isinstance(u, torch.Tensor):
+        return torch.full((B * H,), float(u), dtype=q.dtype)
+    if u.dim() > 4 or (u.dim() >= 2 and u.shape[-2:] != (1, 1)) or (u.dim() < 2 and u.numel() != 1):
+        return None
+    u = u.reshape(*u.shape[:-2]) if u.dim() >= 2 else u.reshape(())
+    return u.detach().to(q.dtype).expand(B, H).reshape(B * H).contiguous()
+
+
+def needs_grad(q, k, v, u=None) -> bool:
+    return torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or (v is not None and v.requires_grad)
+        or (isinstance(u, torch.Tensor) and u.requires_grad)
+    )
+
+
+def applies(q, k, mask, grad: bool) -> bool:
+    """The common conditions of every CPU kernel: no gradients, CPU float32/64, a separable mask,
+    non-empty heads of one (B, H)."""
+    return not grad and flash_lse_available(q) and separable(mask) and kernel_shapes(q, k)
+
+
+def sinkhorn_round_kernel(q, k, c, mask, scale, recentre):
+    """c' (B, H, N) from c through kernels.sinkhorn_round (a row step, then a column step), or None
+    where it does not apply. ``recentre`` (B, H, 1) = log(M_valid / N_valid) is subtracted (a per-head
+    constant the row softmax cancels; without it c drifts by ln(M/N) per round)."""
+    if not applies(q, k, mask, needs_grad(q, k, None)):
+        return None
+    ops = cpu_ops()
+    if ops is None:
+        return None
+    B, H, M, _ = q.shape
+    N = k.shape[-2]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    key_bias, row_bias = separable_biases(q, k, mask)
+    nxt = ops.sinkhorn_round(heads_flat(q), heads_flat(k), c.reshape(B * H, N).contiguous(), key_bias,
+                             row_bias, scale).view(B, H, N)
+    nxt = nxt - recentre
+    return torch.where(torch.isneginf(nxt), torch.zeros((), dtype=nxt.dtype), nxt)  # empty columns: 0
+
+
+def sinkhorn_heads_kernel(q, k, v, mask, scale, ctx):
+    """Sinkhorn attention through kernels.sinkhorn_attend: each head's (M, N) scores held once by its
+    thread (threads x M x N at most SINKHORN_HEAD_BYTES), one score product per head instead of one
+    per half-step; None where it does not apply (gradients, causal, a tolerance, more than
+    SINKHORN_KERNEL_ROUNDS rounds, too large, and the conditions of :func:`applies`)."""
+    if ctx.causal or ctx.tol > 0 or ctx.iters > SINKHORN_KERNEL_ROUNDS:
+        return None
+    if not applies(q, k, mask, needs_grad(q, k, v)):
+        return None
+    B, H, M, _ = q.shape
+    N = k.shape[-2]
+    if min(torch.get_num_threads(), B * H) * M * N * q.element_size() > SINKHORN_HEAD_BYTES:
+        return None
+    ops = cpu_ops()
+    if ops is None:
+        return None
+    key_bias, row_bias = separable_biases(q, k, mask)
+    out = ops.sinkhorn_attend(heads_flat(q), heads_flat(k), heads_flat(v), key_bias, row_bias, ctx.iters,
+                              scale)
+    return out.view(B, H, M, v.shape[-1])
