@@ -419,7 +419,7 @@ def sidebar_values(at: AppTest) -> tuple:
     return (
         at.multiselect(key="inspect_variants").value,
         at.slider(key="inspect_hnas_u").value,
-        at.slider(key="inspect_sinkhorn_iters").value,
+        at.number_input(key="inspect_sinkhorn_iters").value,
     )
 
 
@@ -453,6 +453,11 @@ def test_sidebar_widgets_come_from_the_variant_specs(app_env):
         assert w.value == p.default and w.help == p.help
         if p.low is not None and hasattr(w, "min"):
             assert (w.min, w.max) == (p.low, p.high)
+    # a parameter beyond u and iters reaches the analysis (Sinkhorn's tol), its manifest and the URL
+    at.slider(key="inspect_sinkhorn_tol").set_value(0.5).run()
+    assert not at.exception and "sinkhorn_tol" in at.query_params
+    snippet = next(c.value for c in at.code if "attnlab analyze" in c.value)
+    assert "--tol 0.5" in snippet and "--iters 3" in snippet
 
 
 def sys_path_app():

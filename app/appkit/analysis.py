@@ -24,8 +24,19 @@ from appkit.sources import (
 from attnlab import hf
 
 _MOVED = {  # names that moved to appkit.controls with the controls
-    "SAMPLE", "MAX_TEXT_CHARS", "TEXT_UPLOAD_MB", "TEXT_TYPES", "LOCAL_DIR", "UPLOAD", "_decode_upload",
-    "text_input", "model_input", "settings_input", "window_view", "inputs", "_session_folder",
+    "SAMPLE",
+    "MAX_TEXT_CHARS",
+    "TEXT_UPLOAD_MB",
+    "TEXT_TYPES",
+    "LOCAL_DIR",
+    "UPLOAD",
+    "_decode_upload",
+    "text_input",
+    "model_input",
+    "settings_input",
+    "window_view",
+    "inputs",
+    "_session_folder",
 }
 
 
@@ -46,6 +57,7 @@ class Settings:
     mode: str = "recompute"
     u: float = 0.5
     iters: int = 3
+    extra: tuple = ()  # (name, value) of every other registered variant parameter (e.g. tol), sorted
 
 
 # ----------------------------------------------------------------------------------------------
@@ -76,7 +88,10 @@ class WindowView:
         """Identifies the inputs of this analysis (cache keys of figures built from it)."""
         s = self.settings
         variants = ",".join(s.variants)
-        return f"{s.source.key}|{self.text_sha256}|{variants}|{s.mode}|{s.u:g}|{s.iters}|{self.window}"
+        extra = ",".join(f"{k}={v}" for k, v in s.extra)
+        return (
+            f"{s.source.key}|{self.text_sha256}|{variants}|{s.mode}|{s.u:g}|{s.iters}|{extra}|{self.window}"
+        )
 
     @property
     def n_windows(self) -> int:
@@ -112,6 +127,7 @@ class WindowView:
                 "mode": self.settings.mode,
                 "u": u,
                 "iters": self.iters,
+                "params": dict(self.settings.extra),
                 "window": self.windowing["window"],
             },
         }
@@ -128,11 +144,20 @@ def _plan_native(model: NativeModel, text: str) -> tuple[list[int], hf.Windowing
 
 
 @st.cache_resource(max_entries=4, ttl=1800, show_spinner=False)
-def _plan(kind: str, path: str | None, text: str, variants: tuple, mode: str, u: float, iters: int):
+def _plan(
+    kind: str,
+    path: str | None,
+    text: str,
+    variants: tuple,
+    mode: str,
+    u: float,
+    iters: int,
+    extra: tuple = (),
+):
     model = load(Source(kind, path, ""))
     if isinstance(model, NativeModel):
         return _plan_native(model, text)
-    return hf.stream_analysis(text, model, variants, mode, u, iters)
+    return hf.stream_analysis(text, model, variants, mode, u, iters, **dict(extra))
 
 
 def _native_window(model: NativeModel, ids, windowing, s: Settings, window: int) -> dict:
@@ -175,10 +200,11 @@ def _window(
     u: float,
     iters: int,
     window: int,
+    extra: tuple = (),
 ) -> WindowView:
-    s = Settings(Source(kind, path, label), variants, mode, u, iters)
+    s = Settings(Source(kind, path, label), variants, mode, u, iters, extra)
     model = load(s.source)
-    plan = _plan(kind, path, text, variants, mode, u, iters)
+    plan = _plan(kind, path, text, variants, mode, u, iters, extra)
     sha = hashlib.sha256(text.encode("utf-8")).hexdigest()
     if isinstance(model, NativeModel):
         ids, windowing = plan
@@ -196,7 +222,14 @@ def _window(
 
     win = next(islice(iter_windows(model.tokenizer, text, plan.tokenized, plan.windowing), window, None))
     weights = hf.batch_weights(
-        model, torch.tensor([win.input_ids]), None, plan.variants, plan.mode, plan.u, plan.iters
+        model,
+        torch.tensor([win.input_ids]),
+        None,
+        plan.variants,
+        plan.mode,
+        plan.u,
+        plan.iters,
+        **dict(extra),
     )
     return WindowView(
         s,
@@ -223,7 +256,7 @@ def _fail(e: Exception) -> None:
 def n_windows(s: Settings, text: str) -> int:
     """How many windows the text spans for this model (loads the model, tokenizes once)."""
     try:
-        plan = _plan(s.source.kind, s.source.path, text, s.variants, s.mode, s.u, s.iters)
+        plan = _plan(s.source.kind, s.source.path, text, s.variants, s.mode, s.u, s.iters, s.extra)
     except (ValueError, OSError) as e:  # ModelLoadError is a ValueError
         _fail(e)
     return plan[1].n_windows if isinstance(plan, tuple) else plan.windowing.n_windows
@@ -231,7 +264,7 @@ def n_windows(s: Settings, text: str) -> int:
 
 def view_for(source: Source, like: Settings, text: str, window: int = 0) -> WindowView:
     """Another model's analysis of the same text with the same settings (Compare page)."""
-    s = Settings(source, like.variants, like.mode, like.u, like.iters)
+    s = Settings(source, like.variants, like.mode, like.u, like.iters, like.extra)
     count = n_windows(s, text)
     try:
         return _window(
@@ -244,6 +277,7 @@ def view_for(source: Source, like: Settings, text: str, window: int = 0) -> Wind
             s.u,
             s.iters,
             min(window, count - 1),
+            s.extra,
         )
     except (ValueError, OSError) as e:
         _fail(e)

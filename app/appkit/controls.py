@@ -18,7 +18,7 @@ import attnlab
 from appkit import state
 from appkit.analysis import Settings, WindowView, _fail, _window, n_windows
 from appkit.sources import EMBEDDED, UPLOAD_LIMIT_MB, SessionFolder, Source, checkpoint_sources, save_upload
-from appkit.variants import param_specs, pipeline_fields, variant_label
+from appkit.variants import param_specs, settings_fields, variant_label
 from attnlab import hf
 
 SAMPLE = (
@@ -261,13 +261,13 @@ def _settings(prefix: str, variants: bool = True) -> tuple[Settings | None, str 
     with st.sidebar:
         source, problem = _model(prefix)
         names = list(attnlab.VARIANTS)
-        chosen = names
+        chosen = list(attnlab.DEFAULT_VARIANTS)
         if variants:
             chosen = state.remembered(
                 prefix,
                 "variants",
                 st.multiselect,
-                names,
+                list(attnlab.DEFAULT_VARIANTS),
                 "Variants",
                 names,
                 valid=lambda v: bool(v) and set(v) <= set(names),
@@ -286,16 +286,13 @@ def _settings(prefix: str, variants: bool = True) -> tuple[Settings | None, str 
             help="recompute: every variant from the model's own queries and keys; "
             "swap: the variant replaces the model's attention (later layers change too)",
         )
-        params = {}
-        for variant, p in param_specs():
-            if variant in chosen:
-                params.setdefault(variant, {})[p.name] = _param_widget(prefix, variant, p)
+        params = {p.name: _param_widget(prefix, v, p) for v, p in param_specs() if v in chosen}
     if problem is None and not chosen:
         problem = "Pick at least one variant."
     if problem is not None:
         return None, problem
     ordered = tuple(v for v in attnlab.VARIANTS if v in chosen)
-    return Settings(source, ordered, mode, **pipeline_fields(params)), None
+    return Settings(source, ordered, mode, **settings_fields(params)), None
 
 
 def inputs(prefix: str, *, variants: bool = True) -> tuple[str, Settings]:
@@ -388,6 +385,7 @@ def window_view(prefix: str, s: Settings, text: str) -> WindowView:
                 s.u,
                 s.iters,
                 window - 1,
+                s.extra,
             )
     except (ValueError, OSError) as e:
         _fail(e)

@@ -39,6 +39,11 @@ def analyze_command(source: Mapping, text_file: str = "text.txt", out_dir: str =
         f"{s['u']:g}",
         "--iters",
         str(s["iters"]),
+        *[
+            f
+            for name, value in (s.get("params") or {}).items()
+            for f in (f"--{name.replace('_', '-')}", f"{value:g}")
+        ],
         "--window",
         str(s["window"]),
         "--weights",
