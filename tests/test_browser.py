@@ -196,7 +196,7 @@ def test_paste_switch_variant_download_png(server, tmp_path):
 # ----------------------------------------------------------------------------------------------
 
 PAGES = ["", "explaining_away", "compare", "embeddings", "train", "hybrid_weights"]  # url paths
-TEXT_50 = "Zebras and penguins rarely share an umbrella; " * 5  # ~50 tokens with [CLS] and [SEP]
+TEXT_50 = "The harbour lantern and the umbrella rarely share a word; " * 4  # ~50 tokens with [CLS] and [SEP]
 LONG_2_WINDOWS = " ".join(["Attention explains away the words that nobody looks at."] * 90)  # ~900 tokens
 
 
@@ -287,8 +287,9 @@ def test_sidebar_survives_a_local_directory_in_the_browser(server):
         _idle(page)
         sidebar = page.locator('[data-testid="stSidebar"]')
 
-        def chips() -> list[str]:
-            return sidebar.locator(".st-key-inspect_variants [data-baseweb='tag']").all_inner_texts()
+        def chips() -> list[str]:  # the variants shown as chosen in the sidebar's multiselect
+            shown = sidebar.locator(".st-key-inspect_variants").inner_text().split()
+            return [v for v in ("unas", "dnas", "hnas", "sinkhorn") if v in shown]
 
         assert len(chips()) == 4
         page.locator(".st-key-inspect_model").click()
@@ -331,6 +332,21 @@ def test_measure_and_screenshot(server, tmp_path):
     shots.mkdir(parents=True, exist_ok=True)
     out = {}
     with sync_api.sync_playwright() as p:
+        for width, height in ((1600, 1000), (1280, 800)):
+            context = _browser(p)
+            page = context.new_page(viewport={"width": width, "height": height})
+            for path in PAGES:
+                page.goto(f"{url}/{path}", wait_until="domcontentloaded")
+                page.wait_for_selector('[data-testid="stMain"] h1', timeout=120_000)
+                page.wait_for_timeout(1500)
+                _idle(page, 180)
+                name = path or "inspect"
+                page.screenshot(path=str(shots / f"{name}_{width}x{height}.png"))
+                charts = page.locator(".stPlotlyChart")
+                for k in range(charts.count()):
+                    charts.nth(k).scroll_into_view_if_needed()
+                    charts.nth(k).screenshot(path=str(shots / f"{name}_{width}x{height}_chart{k}.png"))
+            context.close()
         browser = _browser(p)
         page = browser.new_page(viewport={"width": 1600, "height": 1000})
         t0 = time.monotonic()
@@ -338,7 +354,7 @@ def test_measure_and_screenshot(server, tmp_path):
         _heatmap(page, "unas: layer 2, head 0")
         _idle(page)
         out["page load, warm server (goto -> every chart drawn)"] = [time.monotonic() - t0]
-        for label, text, word in (("50", TEXT_50, "zebras"), ("512", LONG_TEXT, "lantern")):
+        for label, text, word in (("50", TEXT_50, "harbour"), ("512", LONG_TEXT, "lantern")):
             times = []
             for k in range(3):
                 body = f"Round {k} {word}. {text}"
@@ -382,21 +398,6 @@ def test_measure_and_screenshot(server, tmp_path):
         out["window change -> all charts"] = windows
         browser.close()
 
-        for width, height in ((1600, 1000), (1280, 800)):
-            context = _browser(p)
-            page = context.new_page(viewport={"width": width, "height": height})
-            for path in PAGES:
-                page.goto(f"{url}/{path}", wait_until="domcontentloaded")
-                page.wait_for_selector('[data-testid="stMain"] h1', timeout=120_000)
-                page.wait_for_timeout(1500)
-                _idle(page, 180)
-                name = path or "inspect"
-                page.screenshot(path=str(shots / f"{name}_{width}x{height}.png"))
-                charts = page.locator(".stPlotlyChart")
-                for k in range(charts.count()):
-                    charts.nth(k).scroll_into_view_if_needed()
-                    charts.nth(k).screenshot(path=str(shots / f"{name}_{width}x{height}_chart{k}.png"))
-            context.close()
     print(f"\n[measure] server spawn -> health check: {t_up - t_spawn:.1f} s")
     for what, times in out.items():
         print(f"[measure] {what}: " + ", ".join(f"{t:.2f} s" for t in times))

@@ -196,13 +196,17 @@ def attention_heatmap(
         qi, kj = (a.ravel() for a in np.indices((M, N)))
         fig.data[0].hoverinfo = "skip"
         fig.data[0].hovertemplate = None
-        hidden = {"marker": {"opacity": 0.0}}
+        hidden = {"marker": {"opacity": 1.0}}  # transparent by colour: selection must not show them
         fig.add_trace(
             go.Scatter(
                 x=np.asarray(xs, dtype=object)[kj],
                 y=np.asarray(ys, dtype=object)[qi],
                 mode="markers",
-                marker={"size": max(6, (side - 170) // max(M, N)), "symbol": "square", "opacity": 0.0},
+                marker={
+                    "size": max(6, (side - 170) // max(M, N)),
+                    "symbol": "square",
+                    "color": "rgba(0,0,0,0)",
+                },
                 customdata=np.column_stack([qi, kj, w.ravel()]),
                 hovertemplate="query %{y}<br>key %{x}<br>weight %{customdata[2]:.4f}<extra></extra>",
                 showlegend=False,
