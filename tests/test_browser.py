@@ -132,7 +132,8 @@ def _idle(page, timeout_s: float = 120):
     page.wait_for_function(
         """() => !document.querySelector('[data-testid="stStatusWidget"]')
               && !document.querySelector('[data-stale="true"]')
-              && [...document.querySelectorAll('.js-plotly-plot')].every(gd => gd._fullLayout)""",
+              && [...document.querySelectorAll('.stPlotlyChart')].every(
+                     c => { const gd = c.querySelector('.js-plotly-plot'); return gd && gd._fullLayout; })""",
         timeout=timeout_s * 1000,
     )
 

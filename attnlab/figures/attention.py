@@ -182,14 +182,19 @@ def attention_heatmap(
         tickmode="array",
         tickvals=xs[::kx],
         tickfont={"size": font},
+        range=[-0.5, N - 0.5],  # exactly the cells (click targets would pad an automatic range)
+        automargin=True,
+        title_standoff=6,
     )
     fig.update_yaxes(
         type="category",
         title="query (attending)",
-        autorange="reversed",
         tickmode="array",
         tickvals=ys[::ky],
         tickfont={"size": font},
+        range=[M - 0.5, -0.5],  # reversed: queries top to bottom
+        automargin=True,
+        title_standoff=6,
     )
     fig.update_layout(title=title, width=side + 80, height=side, shapes=focus_shapes(focus, M, N))
     if click_targets:

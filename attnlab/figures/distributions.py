@@ -162,7 +162,7 @@ def explained_away_heatmap(
         show_values = cell_px >= 36 and L * H <= 400
     names = list(data)
     fig = make_subplots(rows=rows, cols=cols, shared_yaxes=True, horizontal_spacing=0.05,
-                        vertical_spacing=min(0.12, 0.5 / rows),
+                        vertical_spacing=min(0.2, 0.6 / rows),
                         subplot_titles=names if n > 1 or names != [""] else None)
     for k, (name, z) in enumerate(data.items()):
         label = f"{name}<br>" if name else ""
@@ -171,7 +171,8 @@ def explained_away_heatmap(
             texttemplate="%{z:.2f}" if show_values else None, textfont={"size": 10},
             hovertemplate=f"{label}layer %{{y}}, head %{{x}}<br>explained away: %{{z:.3f}}<extra></extra>",
         ), row=k // cols + 1, col=k % cols + 1)
-    fig.update_xaxes(title="head", dtick=1 if H <= 16 else None)
+    fig.update_xaxes(dtick=1 if H <= 16 else None)
+    fig.update_xaxes(title="head", row=rows)  # under the last row only: clear of the titles below
     fig.update_yaxes(autorange="reversed", dtick=1 if L <= 24 else None)
     fig.update_yaxes(title="layer", col=1)
     fig.update_layout(

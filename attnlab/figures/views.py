@@ -214,8 +214,8 @@ def panel_heatmaps(
         tickfont={"size": font},
         showticklabels=False,
     )
-    fig.update_yaxes(showticklabels=True, col=1, title="query")
-    fig.update_xaxes(title="key")
+    fig.update_yaxes(showticklabels=True, col=1, title="query", automargin=True, title_standoff=6)
+    fig.update_xaxes(title="key", automargin=True, title_standoff=6)
     fig.update_layout(
         title=title, width=n * panel_px + 160, height=panel_px + 160, margin={"b": 110}, shapes=shapes
     )
