@@ -269,10 +269,10 @@ def test_click_to_focus_and_reload_keep_the_view(server):
         _heatmap(page, "unas: layer 2, head 0", "umbrella", 120)
         _wait_focus(page, "inspect_heatmap")
         assert "umbrella" in page.get_by_label("Text", exact=True).input_value()
-        # clicking a heatmap cell focuses its query token
-        n = page.evaluate(f"() => {GD('inspect_heatmap')}.data[0].x.length")
-        _click_point(page, "inspect_heatmap", 1, 2 * n + 5)  # the cell (query 2, key 5)
-        _wait_chart(page, "inspect_heatmap", "gd.layout.shapes && gd.layout.shapes[0].y0 === 1.5")
+        # a click on a token of the strip focuses it too
+        _idle(page)
+        _click_point(page, "inspect_token_mass", 1, 6)
+        _wait_chart(page, "inspect_heatmap", "gd.layout.shapes && gd.layout.shapes[0].y0 === 5.5")
         browser.close()
 
 
@@ -311,8 +311,11 @@ def test_sidebar_survives_a_local_directory_in_the_browser(server):
         _idle(page)
         assert len(chips()) == 4 and "Pick at least one" not in page.content()
         # the spinner sits in a container pinned to the window (Seen: out of sight when scrolled)
+        # (the container exists only while the analysis runs: read the rule the page received)
         position = page.evaluate(
-            "() => getComputedStyle(document.querySelector('.st-key-attnlab_busy')).position"
+            """() => [...document.styleSheets].flatMap(sheet => [...sheet.cssRules])
+                       .filter(r => r.selectorText === '.st-key-attnlab_busy')
+                       .map(r => r.style.position)[0]"""
         )
         assert position == "fixed"
         browser.close()
@@ -367,6 +370,7 @@ def test_measure_and_screenshot(server, tmp_path):
                     )
                 )
             out[f"text change -> all charts, ~{label} tokens"] = times
+            print(f"\n[measure] text change -> all charts, ~{label} tokens: {times}")
         _set_text(page, TEXT)
         _heatmap(page, "unas: layer 2, head 0", "umbrella", 120)
         _idle(page)
@@ -384,6 +388,7 @@ def test_measure_and_screenshot(server, tmp_path):
                 )
             )
         out["click to focus -> every view redrawn"] = clicks
+        print(f"\n[measure] click to focus: {clicks}")
         _set_text(page, LONG_2_WINDOWS)
         page.locator(".st-key-inspect_window").wait_for(timeout=120_000)
         _idle(page)
@@ -392,7 +397,11 @@ def test_measure_and_screenshot(server, tmp_path):
             windows.append(
                 _ready_after(
                     page,
-                    lambda key=key: page.locator(".st-key-inspect_window [role='slider']").press(key),
+                    lambda key=key: (
+                        page.locator(".st-key-inspect_window")
+                        .get_by_role("slider")
+                        .press(key, timeout=120_000)
+                    ),
                     lambda shown=shown: page.get_by_text(f"Window {shown} of ").wait_for(timeout=60_000),
                 )
             )
