@@ -18,8 +18,10 @@ import streamlit as st  # noqa: E402
 from appkit.sources import sweep_uploads_once  # noqa: E402
 
 PAGES = Path(__file__).parent / "app_pages"
+FAVICON = Path(__file__).parent / "assets" / "favicon.png"  # served by this server: a material icon
+# as page_icon made every page load fetch an SVG from fonts.gstatic.com (a failed request offline)
 
-st.set_page_config(page_title="attnlab", page_icon=":material/blur_on:", layout="wide")
+st.set_page_config(page_title="attnlab", page_icon=str(FAVICON), layout="wide")
 sweep_uploads_once()  # upload folders of servers killed outright; once per server process
 page = st.navigation(
     {

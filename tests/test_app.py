@@ -73,14 +73,20 @@ def test_inspect_shows_maps_and_reacts_to_widgets(app_env):
         "inspect_model",
         "inspect_variants",
         "inspect_mode",
-        "inspect_u",
-        "inspect_iters",
+        "inspect_hnas_u",
+        "inspect_sinkhorn_iters",
         "inspect_layer",
         "inspect_head",
     ):
         assert key in at.session_state, key
     figs = charts(at)
-    assert set(figs) == {"inspect_heatmap", "inspect_head_view", "inspect_token_mass", "inspect_grid"}
+    assert set(figs) == {
+        "inspect_heatmap",
+        "inspect_head_view",
+        "inspect_token_mass",
+        "inspect_model_view",
+        "inspect_grid",
+    }
     heat = figs["inspect_heatmap"]
     assert heat["layout"]["title"]["text"] == "unas: layer 2, head 0"
     n = len(heat["data"][0]["x"])
@@ -159,10 +165,16 @@ def test_inspect_long_text_is_windowed(app_env):
         "attention explains away many words. " * 120
     ).run()  # ~720 tokens
     assert not at.exception
-    assert at.slider(key="inspect_window").max == 1
     assert any("head view draws up to" in c.value for c in at.caption)  # 512 tokens: no head view
-    at.slider(key="inspect_window").set_value(1).run()
+    assert at.slider(key="inspect_window").min == 1 and at.slider(key="inspect_window").max == 2  # 1-based
+    assert any("Window 1 of 2: text tokens 1–510 of " in c.value for c in at.caption)
+    assert any("model view draws up to 64 tokens" in i.value for i in at.info)
+    at.slider(key="inspect_window").set_value(2).run()
     assert not at.exception and "inspect_heatmap" in charts(at)
+    caption = next(c.value for c in at.caption if c.value.startswith("Window 2 of 2"))
+    assert "overlapping the neighbouring windows by" in caption
+    at.switch_page("app_pages/explaining_away.py").run()  # the window follows the user
+    assert at.slider(key="away_window").value == 2 and not at.exception
 
 
 def test_inspect_shipped_checkpoint(app_env):
@@ -223,21 +235,53 @@ def test_explaining_away_page(app_env):
 def test_compare_page(app_env):
     at = open_page("compare")
     figs = charts(at)
-    assert {
-        "compare_map_0",
-        "compare_map_1",
-        "compare_map_2",
-        "compare_diff_1",
-        "compare_js_1",
-        "compare_overlay",
-    } <= set(figs)
+    assert {"compare_maps", "compare_diffs", "compare_js_1", "compare_js_2", "compare_overlay"} <= set(figs)
     js = z_of(figs["compare_js_1"])
     assert js.shape == (6, 12) and 0 < js.mean() <= 1
-    before = z_of(figs["compare_diff_1"])
+    before = z_of(figs["compare_diffs"])
     at.slider(key="compare_layer").set_value(4).run()
-    assert not np.allclose(z_of(charts(at)["compare_diff_1"]), before)
+    assert not np.allclose(z_of(charts(at)["compare_diffs"]), before)
     at.multiselect(key="compare_panels").set_value([at.multiselect(key="compare_panels").options[0]]).run()
     assert "at least two panels" in messages(at)
+
+
+def test_compare_panels_share_one_colour_scale(app_env):
+    """Seen: three panels with separate colour scales (0-0.9 beside 0-0.45) and a colour bar each."""
+    at = open_page("compare")
+    maps = charts(at)["compare_maps"]
+    heat = [t for t in maps["data"] if t["type"] == "heatmap"]
+    assert len(heat) == 3 and {t["coloraxis"] for t in heat} == {"coloraxis"}  # one axis, one colour bar
+    top = max(float(z_of(maps, k).max()) for k in range(3))
+    assert maps["layout"]["coloraxis"]["cmax"] == pytest.approx(top, rel=1e-6)
+    assert maps["layout"]["coloraxis"]["cmin"] == 0
+    diffs = charts(at)["compare_diffs"]  # A - B and A - C on one diverging scale centred at 0
+    lim = max(float(np.abs(z_of(diffs, k)).max()) for k in range(2))
+    axis = diffs["layout"]["coloraxis"]
+    assert axis["cmin"] == pytest.approx(-lim, rel=1e-6) and axis["cmax"] == pytest.approx(lim, rel=1e-6)
+    assert f"±{lim:.3g}" in diffs["layout"]["title"]["text"]
+    at.toggle(key="compare_shared_scale").set_value(False).run()  # the per-panel option
+    maps = charts(at)["compare_maps"]
+    assert {t["coloraxis"] for t in maps["data"] if t["type"] == "heatmap"} == {
+        "coloraxis",
+        "coloraxis2",
+        "coloraxis3",
+    }
+    assert maps["layout"]["coloraxis2"]["cmax"] == pytest.approx(float(z_of(maps, 1).max()), rel=1e-6)
+
+
+def test_compare_keeps_the_panels_when_the_model_changes(app_env):
+    """Seen: changing the model on Compare cleared the chosen panels."""
+    at = open_page("compare")
+    options = at.multiselect(key="compare_panels").options
+    pick = [o for o in options if o.endswith(("· dnas", "· sinkhorn"))]
+    at.multiselect(key="compare_panels").set_value(pick).run()
+    native = [o for o in at.selectbox(key="compare_model").options if o.startswith("enc-unas")]
+    if not native:
+        pytest.skip("no shipped checkpoints in checkpoints/")
+    at.selectbox(key="compare_model").set_value(native[0]).run()
+    assert not at.exception, [e.message for e in at.exception]
+    chosen = at.multiselect(key="compare_panels").value
+    assert [c.split(" · ")[1] for c in chosen] == ["dnas", "sinkhorn"] and all(native[0] in c for c in chosen)
 
 
 def test_embeddings_page(app_env):
@@ -388,3 +432,173 @@ def test_inspect_uploaded_checkpoint(app_env):
     at.file_uploader(key="inspect_ckpt").set_value(files).run()
     assert not at.exception and not at.error, messages(at)
     assert "inspect_heatmap" in charts(at)
+
+
+# ----------------------------------------------------------------------------------------------
+# Round 2 (issue 14): state that survives, focus, small things
+# ----------------------------------------------------------------------------------------------
+
+
+def sidebar_values(at: AppTest) -> tuple:
+    return (
+        at.multiselect(key="inspect_variants").value,
+        at.slider(key="inspect_hnas_u").value,
+        at.number_input(key="inspect_sinkhorn_iters").value,
+    )
+
+
+def test_sidebar_survives_a_local_directory(app_env, tmp_path):
+    """Seen (3/3 in Chromium): after "Local Hugging Face directory…" the sidebar showed no variants,
+    u 0.00 and 1 iteration, and MiniLM then said "Pick at least one variant." The page stopped before
+    rendering them; every sidebar control is now rendered, with its value, whatever is missing."""
+    at = open_page()
+    at.multiselect(key="inspect_variants").set_value(["unas", "hnas", "sinkhorn"]).run()
+    at.slider(key="inspect_hnas_u").set_value(0.8).run()
+    want = (["unas", "hnas", "sinkhorn"], 0.8, 3)
+    at.selectbox(key="inspect_model").set_value("Local Hugging Face directory…").run()
+    assert "Enter the path" in messages(at) and sidebar_values(at) == want
+    for path in (str(tmp_path), "/no/such/dir"):
+        at.text_input(key="inspect_model_dir").set_value(path).run()
+        assert not at.exception and at.error and sidebar_values(at) == want, messages(at)
+    at.selectbox(key="inspect_model").set_value("MiniLM-L6 (embedded)").run()
+    assert sidebar_values(at) == want and "Pick at least one" not in messages(at)
+    assert at.button_group(key="inspect_variant").options == ["unas", "hnas", "sinkhorn"]
+    assert "inspect_heatmap" in charts(at)
+
+
+def test_sidebar_widgets_come_from_the_variant_specs(app_env):
+    sys_path_app()
+    from appkit.variants import param_specs
+
+    at = open_page()
+    for variant, p in param_specs():
+        widget = at.get("slider") + at.get("number_input")
+        w = next(w for w in widget if w.key == f"inspect_{variant}_{p.name}")
+        assert w.value == p.default and w.help == p.help
+        if p.low is not None and hasattr(w, "min"):
+            assert (w.min, w.max) == (p.low, p.high)
+    # a parameter beyond u and iters reaches the analysis (Sinkhorn's tol), its manifest and the URL
+    at.slider(key="inspect_sinkhorn_tol").set_value(0.5).run()
+    assert not at.exception and "sinkhorn_tol" in at.query_params
+    snippet = next(c.value for c in at.code if "attnlab analyze" in c.value)
+    assert "--tol 0.5" in snippet and "--iters 3" in snippet
+
+
+def sys_path_app():
+    import sys
+
+    app = str(Path(APP).parent)
+    if app not in sys.path:
+        sys.path.insert(0, app)
+
+
+def test_uploaded_file_replaces_the_text_box_visibly(app_env):
+    """Seen: an upload silently overrode the text box, which still showed the old text; an empty
+    file said "Using the uploaded file empty.txt (0 characters)" and then "Type or paste a text"."""
+    at = open_page()
+    upload = ("notes.txt", b"Okapis attend quietly.", "text/plain")
+    at.file_uploader(key="inspect_upload").set_value(upload).run()
+    box = at.text_area(key="inspect_text")
+    assert box.disabled and "not used while a file is uploaded" in box.label
+    assert any("Using the uploaded file **notes.txt**" in c.value for c in at.caption)
+    assert any("quietly" in x for x in charts(at)["inspect_heatmap"]["data"][0]["x"])
+    at.switch_page("app_pages/explaining_away.py").run()  # the upload follows the user
+    assert at.text_area(key="away_text").disabled and not at.exception
+    at.button(key="away_drop_upload").click().run()  # back to the text box
+    assert not at.text_area(key="away_text").disabled
+    at.switch_page("app_pages/inspect.py").run()
+    assert any("cat" in x for x in charts(at)["inspect_heatmap"]["data"][0]["x"])
+
+    fresh = open_page()
+    fresh.file_uploader(key="inspect_upload").set_value(("empty.txt", b"  \n", "text/plain")).run()
+    said = messages(fresh)
+    assert "empty.txt is empty" in said and "Using the uploaded file" not in said
+    assert "Type or paste" not in said and not charts(fresh)
+
+
+def test_state_lives_in_the_url(app_env, monkeypatch, tmp_path):
+    """A reload (a new session with the same URL) reopens the same view, pasted text included."""
+    monkeypatch.setenv("ATTNLAB_TEXTS_DIR", str(tmp_path / "texts"))
+    at = open_page()
+    at.text_area(key="inspect_text").set_value("Narwhals explain the krill away.").run()
+    at.button_group(key="inspect_variant").set_value("dnas").run()
+    at.slider(key="inspect_layer").set_value(4).run()
+    at.slider(key="inspect_head").set_value(7).run()
+    at.slider(key="inspect_hnas_u").set_value(0.25).run()
+    url = dict(at.query_params)
+    assert {"text", "variant", "layer", "head", "hnas_u"} <= set(url)
+    assert "mode" not in url  # defaults are left out
+    assert url["layer"] == ["4"] or url["layer"] == "4"
+
+    again = AppTest.from_file(APP, default_timeout=TIMEOUT)
+    for k, v in url.items():
+        again.query_params[k] = v[0] if isinstance(v, list) else v
+    again.run()
+    assert not again.exception, [e.message for e in again.exception]
+    assert again.text_area(key="inspect_text").value == "Narwhals explain the krill away."
+    assert again.slider(key="inspect_hnas_u").value == 0.25
+    assert charts(again)["inspect_heatmap"]["layout"]["title"]["text"] == "dnas: layer 4, head 7"
+    # a link to a text this server does not have: a message and the sample, not a crash
+    other = AppTest.from_file(APP, default_timeout=TIMEOUT)
+    other.query_params["text"] = "0123456789abcdef"
+    other.query_params["layer"] = "99"  # out of range: the default
+    other.run()
+    assert "not stored on this server" in messages(other) and not other.exception
+    assert other.slider(key="inspect_layer").value == 2
+
+
+def test_focus_from_the_url_reaches_every_view(app_env):
+    """Click to focus (tested with clicks in tests/test_browser.py): the focused token is outlined
+    in the map, drawn in the focus colour in the head and model views, and the strip shows its row."""
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT)
+    at.query_params["focus"] = "3"
+    at.run()
+    assert not at.exception
+    figs = charts(at)
+    rects = [(s["y0"], s["y1"]) for s in figs["inspect_heatmap"]["layout"]["shapes"]]
+    assert (2.5, 3.5) in rects  # row 3 outlined
+    assert any(t.get("line", {}).get("color") == "#ff7f0e" for t in figs["inspect_head_view"]["data"])
+    assert "focus: 3: sat" in figs["inspect_model_view"]["layout"]["title"]["text"]
+    assert "3: sat sends" in figs["inspect_token_mass"]["layout"]["title"]["text"]
+    assert any("Focus: token 3" in m.value for m in at.markdown)
+    at.button(key="inspect_clear_focus").click().run()
+    assert not charts(at)["inspect_heatmap"]["layout"].get("shapes")
+
+
+def test_export_snippet_names_the_downloaded_manifest(app_env):
+    """Seen: the Python snippet read manifest.json while the file downloads as heatmap.manifest.json."""
+    at = open_page()
+    button = next(b for b in at.download_button if b.key == "inspect_heatmap_manifest")
+    name = button.proto.file_name if hasattr(button.proto, "file_name") else "heatmap.manifest.json"
+    assert name == "heatmap.manifest.json"
+    snippet = next(c.value for c in at.code if "reproduce_figure" in c.value and "heatmap" in c.value)
+    assert "reproduce_figure('heatmap.manifest.json'" in snippet
+
+
+def test_spinner_is_pinned_in_sight(app_env):
+    """Seen: the "Computing attention…" spinner sat at the top of the page, out of sight when scrolled."""
+    at = open_page()
+    css = " ".join(h.proto.body for h in at.get("html"))
+    assert ".st-key-attnlab_busy" in css and "position: fixed" in css
+
+
+def test_run_just_started_counts_as_alive(tmp_path):
+    """Seen once: the Train page stayed at "starting — step 0" for 120 s while the run finished in
+    17 s. Between fork and exec a child's /proc cmdline is still the server's, so a just-started run
+    was called dead and the page drew it without polling."""
+    import subprocess
+    import sys
+
+    sys_path_app()
+    from appkit import runs
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])  # cmdline: no run dir
+    try:
+        runs._CHILDREN[child.pid] = child
+        assert runs._alive(child.pid, tmp_path / "some-run")
+        child.kill()
+        child.wait()
+        assert not runs._alive(child.pid, tmp_path / "some-run")
+    finally:
+        child.kill()
+        runs._CHILDREN.pop(child.pid, None)

@@ -47,8 +47,9 @@ def test_grid_bundle_is_one_trace_with_gutters():
     assert [a.text for a in fig.layout.annotations] == ["head 0", "head 1", "head 2", "layer 0", "layer 1"]
     assert len(b.table) == 2 * 3 * 6 * 6 and list(b.table.columns[:2]) == ["layer", "head"]
     np.testing.assert_array_equal(b.arrays["unas"], W["unas"])
-    big = av.build("grid", {"unas": softmax_weights(1, 2, 300, 300)}, ["t"] * 300,
-                   {"variant": "unas", "max_tokens": 64})
+    big = av.build(
+        "grid", {"unas": softmax_weights(1, 2, 300, 300)}, ["t"] * 300, {"variant": "unas", "max_tokens": 64}
+    )
     assert np.asarray(big.figure.data[0].z).shape == (60, 121)
     assert "5x5 token blocks" in big.figure.layout.title.text
     assert len(big.table) == 2 * 60 * 60  # the CSV holds the block means the figure draws
@@ -165,3 +166,102 @@ def test_manifest_reproduces_the_figure_through_attnlab_analyze(tmp_path, monkey
     m["input"]["sha256"] = "0" * 64
     with pytest.raises(ValueError, match="sha256"):
         av.reproduce_figure(m, ["attnlab-out"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Round 2 (issue 14): readable figures, hover, focus, model view, shared scales
+# ----------------------------------------------------------------------------------------------
+
+
+def test_token_strip_says_where_its_scale_stops():
+    """Seen: the strip's colour scale stopped at the 95th percentile without saying so."""
+    mass = np.linspace(0.1, 1.0, 40)
+    mass[0] = 9.0  # an attention sink
+    fig = av.token_mass_strip([f"t{i}" for i in range(40)], mass, bound=1 / 40)
+    bar = fig.data[0].colorbar.title.text
+    assert fig.data[0].zmax == pytest.approx(np.quantile(mass, 0.95))
+    assert "capped at the 95th" in bar and "max 9" in bar
+    even = av.token_mass_strip(["a", "b"], np.array([1.0, 1.0]))
+    assert "capped" not in even.data[0].colorbar.title.text  # nothing above the scale: nothing said
+    hover = fig.data[1]  # one click/hover target per token, with its position
+    assert list(hover.customdata) == list(range(40)) and hover.hovertext[3] == "3: t3"
+
+
+def test_hover_names_positions():
+    """Seen: "query: , / key: august" without positions; the grid said "querys"; no head-view hover."""
+    heat = av.build("heatmap", W, TOKENS, {"variant": "unas", "layer": 0, "head": 0}).figure
+    assert heat.data[0].x[3] == "3: the" and "query %{y}" in heat.data[0].hovertemplate
+    from attnlab.figures import attention_grid
+
+    grid = attention_grid(softmax_weights(1, 1, 300, 300), max_tokens=100)
+    assert grid.data[0].y[0] == "layer 0 · queries 0-2" and grid.data[0].x[0] == "head 0 · keys 0-2"
+    hv = av.head_view(W["unas"][0, 0], TOKENS)
+    queries, keys = hv.data[-2], hv.data[-1]
+    assert queries.hovertext[1].startswith("1: the → ") and "column mass" in keys.hovertext[2]
+    assert list(queries.customdata) == list(range(6)) and "skip" not in (queries.hoverinfo or "")
+
+
+def test_focus_in_the_head_view_and_model_view():
+    hv = av.head_view(W["unas"][0, 0], TOKENS, min_weight=0.0, focus=2)
+    lines = [t for t in hv.data if t.mode == "lines"]
+    orange = [t for t in lines if t.line.color == "#ff7f0e"]
+    ys = np.concatenate([np.asarray(t.y, dtype=float).reshape(-1, 3)[:, :2] for t in orange])
+    assert len(ys) == 2 * 6 - 1 and ((ys[:, 0] == 2) | (ys[:, 1] == 2)).all()  # its row and column
+    mv = av.model_view(W["unas"], TOKENS, min_weight=0.0, focus=2)
+    marks = mv.data[-1]
+    assert len(marks.x) == 2 * 3 * 6 and "focus: 2: cat" in mv.layout.title.text
+    assert [a.text for a in mv.layout.annotations] == ["head 0", "head 1", "head 2", "layer 0", "layer 1"]
+    with pytest.raises(ValueError, match="up to 64 tokens, this window has 65"):
+        av.model_view(softmax_weights(1, 1, 65, 65), ["t"] * 65)
+
+
+def test_panels_share_one_scale_and_differences_centre_at_zero():
+    b = av.build(
+        "panels", [W, W], TOKENS, {"variants": ["unas", "dnas"], "layer": 1, "head": 0}, labels=["A", "B"]
+    )
+    fig = b.figure
+    top = max(float(W["unas"][1, 0].max()), float(W["dnas"][1, 0].max()))
+    assert [t.coloraxis for t in fig.data] == ["coloraxis", "coloraxis"]
+    assert (
+        fig.layout.coloraxis.cmax == pytest.approx(top)
+        and f"0–{top:.3g}" in fig.layout.coloraxis.colorbar.title.text
+    )
+    own = av.build(
+        "panels", [W, W], TOKENS, {"variants": ["unas", "dnas"], "layer": 1, "head": 0, "shared_scale": False}
+    )
+    assert own.figure.layout.coloraxis2.cmax == pytest.approx(float(W["dnas"][1, 0].max()))
+    d = av.build(
+        "differences",
+        [W, W, W],
+        TOKENS,
+        {"variants": ["unas", "dnas", "unas"], "layer": 0, "head": 0},
+    )
+    lim = float(np.abs(W["unas"][0, 0] - W["dnas"][0, 0]).max())
+    axis = d.figure.layout.coloraxis
+    assert (axis.cmin, axis.cmax) == (pytest.approx(-lim), pytest.approx(lim)) and axis.colorscale[0][
+        1
+    ] != axis.colorscale[-1][1]
+    np.testing.assert_allclose(d.arrays["difference_1"], W["unas"][0, 0] - W["dnas"][0, 0])
+    np.testing.assert_allclose(d.arrays["difference_2"], 0.0)
+
+
+def test_embedding_legend_clears_the_colour_bar():
+    """Seen: the query/key legend overlapped the colour bar's title."""
+    b = av.embedding_view(
+        np.random.default_rng(0).random((12, 2)),
+        np.zeros((12, 3)),
+        TOKENS,
+        list(np.linspace(0, 1, 12)),
+        ["query"] * 6 + ["key"] * 6,
+        color_label="mass",
+        title="t",
+    )
+    legend = b.figure.layout.legend
+    assert legend.orientation == "h" and legend.y >= 1.0 and legend.yanchor == "bottom"
+
+
+def test_every_public_name_is_importable_from_attnlab_figures():
+    import attnlab.figures as figures
+
+    for name in av.__all__:
+        assert getattr(figures, name) is getattr(av, name), name

@@ -120,11 +120,14 @@ def test_attention_heatmap_labels_hover_and_data():
     assert len(fig.data) == 1
     trace = fig.data[0]
     np.testing.assert_array_equal(np.asarray(trace.z), w.numpy())
-    assert strip(trace.x) == tokens and strip(trace.y) == tokens
-    assert len(set(trace.x)) == 4
-    for word in ("query", "key", "weight"):
+    # positions in the categories: repeated tokens stay apart and the hover names both positions
+    assert list(trace.x) == ["0: the", "1: cat", "2: the", "3: mat"] and list(trace.y) == list(trace.x)
+    for word in ("query %{y}", "key %{x}", "weight"):
         assert word in trace.hovertemplate
-    assert fig.layout.xaxis.type == "category" and fig.layout.yaxis.autorange == "reversed"
+    # every token is labelled (plotly's automatic ticks skip every other label on a crowded axis)
+    assert list(fig.layout.xaxis.tickvals) == list(trace.x)
+    assert list(fig.layout.yaxis.tickvals) == list(trace.y)
+    assert fig.layout.xaxis.type == "category" and list(fig.layout.yaxis.range) == [3.5, -0.5]  # top down
     with pytest.raises(ValueError, match="while tokens has 3"):
         figures.attention_heatmap(w, tokens[:3])
 
@@ -132,7 +135,28 @@ def test_attention_heatmap_labels_hover_and_data():
 def test_attention_heatmap_cross_attention_query_tokens():
     w = softmax_weights(2, 3)
     fig = figures.attention_heatmap(w, ["k1", "k2", "k3"], query_tokens=["q1", "q2"])
-    assert strip(fig.data[0].y) == ["q1", "q2"]
+    assert list(fig.data[0].y) == ["0: q1", "1: q2"]
+
+
+def test_attention_heatmap_labels_every_token_of_a_bert_window():
+    """Seen: a 64-token map labelled every other token ([SEP] had none)."""
+    n = 64
+    tokens = ["[CLS]", *(["the", "cat"] * 31), "[SEP]"]
+    fig = figures.attention_heatmap(softmax_weights(n, n), tokens)
+    assert len(fig.layout.xaxis.tickvals) == n and fig.layout.yaxis.tickvals[-1] == "63: [SEP]"
+    # each label has room: the plot side over the labels, at the label font size + 2 px
+    assert (fig.layout.height - 170) / n >= fig.layout.yaxis.tickfont.size + 2
+    long = figures.attention_heatmap(softmax_weights(400, 400), ["t"] * 400)
+    step = 400 // len(long.layout.xaxis.tickvals)
+    assert 1 < step and long.layout.xaxis.tickvals[1] == f"{step}: t"  # thinned evenly, positions kept
+
+
+def test_attention_heatmap_focus_outlines_row_and_column():
+    fig = figures.attention_heatmap(softmax_weights(5, 5), list("abcde"), focus=2)
+    rects = [(s.x0, s.x1, s.y0, s.y1) for s in fig.layout.shapes]
+    assert rects == [(-0.5, 4.5, 1.5, 2.5), (1.5, 2.5, -0.5, 4.5)]  # row 2 (sent), column 2 (received)
+    with pytest.raises(ValueError, match=r"focus must be a token position in \[0, 5\), got 5"):
+        figures.attention_heatmap(softmax_weights(5, 5), list("abcde"), focus=5)
 
 
 def test_column_mass_distribution_ecdf():
@@ -186,8 +210,22 @@ def test_explained_away_heatmap_single_and_per_variant():
     assert len(fig.data) == 2 and all(t.coloraxis == "coloraxis" for t in fig.data)
     np.testing.assert_allclose(fig.data[0].z, fr["unas"].numpy())
     assert [a.text for a in fig.layout.annotations][:2] == ["unas", "dnas"]
+    assert fig.data[0].texttemplate  # 3 heads: room for every value
     with pytest.raises(ValueError, match="one"):
         figures.explained_away_heatmap({"a": f, "b": f[:1]})
+
+
+def test_explained_away_heatmap_values_never_run_together():
+    """Seen: four variants x 12 heads printed '0.000.000.02...' in one row of the page."""
+    fr = {v: np.random.default_rng(0).random((6, 12)) for v in ("unas", "dnas", "hnas", "sinkhorn")}
+    fig = figures.explained_away_heatmap(fr)
+    domains = [tuple(fig.layout[t.yaxis.replace("y", "yaxis")].domain) for t in fig.data]
+    panels_per_row = domains.count(domains[0])
+    assert len(fig.data) == 4 and panels_per_row == 2 and len(set(domains)) == 2  # wrapped in 2 rows
+    per_cell = (fig.layout.width - 130) / panels_per_row / 12
+    assert per_cell >= 36 and fig.data[0].texttemplate == "%{z:.2f}"  # "0.00" fits 36 px at 10 px
+    crowded = figures.explained_away_heatmap(fr, cell_px=20)
+    assert crowded.data[0].texttemplate is None  # too narrow for values: hover only
 
 
 # ----------------------------------------------------------------------------------------------

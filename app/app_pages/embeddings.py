@@ -3,7 +3,8 @@ PCA shows at once; UMAP runs in a background process warmed when this page first
 
 import streamlit as st
 from appkit import embeddings as emb
-from appkit.analysis import settings_input, text_input, window_view
+from appkit.controls import inputs, window_view
+from appkit.pick import layer_head
 from appkit.show import show_bundle
 
 from attnlab.figures import app_views
@@ -13,8 +14,7 @@ WHAT = {"hidden": "token representations (layer output)", "qk": "queries and key
 
 st.title("Embeddings")
 emb.start_warmup()
-text = text_input(P)
-settings = settings_input(P)
+text, settings = inputs(P)
 view = window_view(P, settings, text)
 L, H, N = view.shape
 if N < 4:
@@ -23,8 +23,7 @@ if N < 4:
 
 a, b, c = st.columns(3)
 what = a.radio("Vectors", list(WHAT), format_func=WHAT.get, key=f"{P}_what")
-layer = b.slider("Layer", 0, L - 1, min(2, L - 1), key=f"{P}_layer")
-head = c.slider("Head", 0, H - 1, 0, key=f"{P}_head", disabled=what == "hidden")
+layer, head = layer_head(P, L, H, (b, c))  # the head matters only for queries and keys
 a, b = st.columns(2)
 color_by = a.radio("Colour by", emb.COLOR_BY, horizontal=True, key=f"{P}_color")
 method = b.radio(

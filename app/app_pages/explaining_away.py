@@ -1,9 +1,9 @@
 """Explaining away: how much attention each key receives (column mass), per layer and variant, and
-which tokens fall below a threshold ε of the average key (DESIGN.md §4)."""
+which tokens fall below a threshold ε of the average key (docs/DESIGN.md §4)."""
 
 import streamlit as st
 from appkit import beyond
-from appkit.analysis import settings_input, text_input, window_view
+from appkit.controls import inputs, window_view
 from appkit.show import show
 
 from attnlab.figures import app_views
@@ -16,8 +16,7 @@ st.caption(
     "Column mass m_j = Σ_i π_ij is the attention key j receives. UNAS can drive it to 0 (the key is "
     "*explained away*); DNAS guarantees m_j ≥ 1/N and HNAS m_j ≥ u/N (dashed lines)."
 )
-text = text_input(P)
-settings = settings_input(P)
+text, settings = inputs(P)
 view = window_view(P, settings, text)
 L, H, N = view.shape
 variants = list(view.weights)
@@ -55,7 +54,8 @@ st.caption(
 by = st.segmented_control("Explained away by", beyond.BY, default="weight", key=f"{P}_by", required=True)
 no_sinks = st.toggle("Exclude sink keys (first position, special tokens)", key=f"{P}_no_sinks")
 if by == "weight" and not no_sinks:
-    show(P, "explained_away", "explained_away", view, {"eps": eps, "variants": variants}, text=text)
+    show(P, "explained_away", "explained_away", view, {"eps": eps, "variants": variants}, text=text,
+         width="stretch")
 else:  # attnlab.contributions / attnlab.sinks: c_j = m_j ||f(x_j)||, rows renormalized without sinks
     beyond.explained_away(P, view, eps, by, no_sinks)
 

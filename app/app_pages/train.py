@@ -87,8 +87,8 @@ chosen = st.selectbox(
 @st.fragment(run_every=2.0 if all_runs[chosen].active else None)
 def live(run_dir):
     run = runs.inspect(run_dir)
-    if not run.active and all_runs[chosen].active:
-        st.rerun()  # it just ended: redraw the page without polling
+    if run.active != all_runs[chosen].active:
+        st.rerun()  # it just ended (redraw without polling) or just started (redraw polling)
     st.progress(
         min(1.0, run.logged_step / max(run.steps, 1)),
         text=f"**{run.status}** — step {run.logged_step} of {run.steps} (checkpoint at step {run.step})",

@@ -1,15 +1,12 @@
-"""The analysis every text page shares: text and model controls, cached per-window weights.
+"""The analysis every text page shares: cached per-window weights of the chosen variants.
 
-Controls keep their values across pages: each page renders its own widgets (keys prefixed with the
-page name), seeded from and saved to ``st.session_state["attnlab_shared"]``.
-Results are cached per input (``st.cache_resource``: no copy of the (L, H, N, N) arrays per rerun),
-shared by every session, a few entries at most.
+The controls (text, model, variants, window) are in ``appkit.controls``; their old names here still
+resolve (module ``__getattr__`` below). Results are cached per input (``st.cache_resource``: no
+copy of the (L, H, N, N) arrays per rerun), shared by every session, a few entries at most.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,151 +15,34 @@ import torch
 
 import attnlab
 from appkit.sources import (
-    EMBEDDED,
-    UPLOAD_LIMIT_MB,
-    SessionFolder,
     Source,
-    checkpoint_sources,
     load,
-    save_upload,
 )
 from attnlab import hf
 
-SAMPLE = (
-    "The cat sat on the mat because it was warm, and the dog watched it from the door. "
-    "Attention lets every word look at every other word; a word that no one looks at is explained away."
-)
-MAX_TEXT_CHARS = 1_000_000  # ~250k tokens; longer texts belong to `attnlab analyze`
-TEXT_UPLOAD_MB = 5
-TEXT_TYPES = ("txt", "md")
-LOCAL_DIR = "Local Hugging Face directory…"
-UPLOAD = "Upload a checkpoint…"
-SHARED = "attnlab_shared"
+_MOVED = {  # names that moved to appkit.controls with the controls
+    "SAMPLE",
+    "MAX_TEXT_CHARS",
+    "TEXT_UPLOAD_MB",
+    "TEXT_TYPES",
+    "LOCAL_DIR",
+    "UPLOAD",
+    "_decode_upload",
+    "text_input",
+    "model_input",
+    "settings_input",
+    "window_view",
+    "inputs",
+    "_session_folder",
+}
 
 
-def remembered(prefix: str, name: str, widget: Callable, default, *args, valid=None, **kwargs):
-    """Render ``widget(*args, key=prefix_name, **kwargs)`` seeded with the value this control had on
-    any page (or ``default``), and remember its new value. ``valid(value)`` drops stale values."""
-    key = f"{prefix}_{name}"
-    shared = st.session_state.setdefault(SHARED, {})
-    if key not in st.session_state:
-        value = shared.get(name, default)
-        st.session_state[key] = value if valid is None or valid(value) else default
-    value = widget(*args, key=key, **kwargs)
-    shared[name] = value
-    return value
+def __getattr__(name: str):
+    if name in _MOVED:
+        from appkit import controls
 
-
-# ----------------------------------------------------------------------------------------------
-# Controls
-# ----------------------------------------------------------------------------------------------
-
-
-def _decode_upload(name: str, data: bytes) -> str:
-    if not name.lower().endswith(tuple(f".{t}" for t in TEXT_TYPES)):
-        raise ValueError(f"{name} is not a text file: upload a .txt or .md file")
-    if len(data) > TEXT_UPLOAD_MB * 1_000_000:
-        raise ValueError(
-            f"{name} is {len(data) / 1e6:.1f} MB; the limit is {TEXT_UPLOAD_MB} MB "
-            "(use `attnlab analyze FILE.txt` for long texts)"
-        )
-    if b"\x00" in data:
-        raise ValueError(f"{name} looks binary (it contains NUL bytes); expected UTF-8 text")
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise ValueError(
-            f"{name} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})"
-        ) from None
-
-
-def text_input(prefix: str) -> str:
-    """Text area + .txt/.md upload; shows a message and stops the page when there is no usable text."""
-    text = remembered(
-        prefix,
-        "text",
-        st.text_area,
-        SAMPLE,
-        "Text",
-        height=130,
-        max_chars=MAX_TEXT_CHARS,
-        help="Paste any text; long texts are cut into overlapping windows of the model's length.",
-    )
-    upload = st.file_uploader(  # no type=: the app, not the browser, says what is wrong with a file
-        "…or upload a text file",
-        key=f"{prefix}_upload",
-        max_upload_size=TEXT_UPLOAD_MB,
-        help=f".txt or .md, UTF-8, up to {TEXT_UPLOAD_MB} MB",
-    )
-    if upload is not None:
-        try:
-            text = _decode_upload(upload.name, upload.getvalue())
-        except ValueError as e:
-            st.error(str(e))
-            st.stop()
-        st.caption(f"Using the uploaded file **{upload.name}** ({len(text):,} characters).")
-    if len(text) > MAX_TEXT_CHARS:
-        st.error(
-            f"The text has {len(text):,} characters; the app takes up to {MAX_TEXT_CHARS:,} "
-            "(use `attnlab analyze FILE.txt` for longer texts)."
-        )
-        st.stop()
-    if not text.strip():
-        st.info("Type or paste a text (or upload a .txt file) to see its attention.")
-        st.stop()
-    return text
-
-
-def model_input(prefix: str, container=None) -> Source:
-    """Model picker: embedded MiniLM, shipped/trained checkpoints, a local directory or an upload."""
-    box = container or st.sidebar
-    sources = {s.label: s for s in [EMBEDDED, *checkpoint_sources()]}
-    options = [*sources, LOCAL_DIR, UPLOAD]
-    with box:
-        choice = remembered(
-            prefix, "model", st.selectbox, options[0], "Model", options, valid=lambda v: v in options
-        )
-        if choice == LOCAL_DIR:
-            path = remembered(
-                prefix,
-                "model_dir",
-                st.text_input,
-                "",
-                "Model directory",
-                placeholder="/path/to/save_pretrained/folder",
-            )
-            if not path.strip():
-                st.info("Enter the path of a folder written by save_pretrained (or an attnlab run).")
-                st.stop()
-            return Source("hf", path.strip(), path.strip())
-        if choice == UPLOAD:
-            files = st.file_uploader(
-                "Checkpoint files",
-                accept_multiple_files=True,
-                key=f"{prefix}_ckpt",
-                max_upload_size=UPLOAD_LIMIT_MB,
-                help="model.safetensors + config.json + tokenizer files",
-            )
-            if not files:
-                st.info("Upload model.safetensors, config.json and the tokenizer files.")
-                st.stop()
-            try:
-                return save_upload([(f.name, f.getvalue()) for f in files], _session_folder())
-            except ValueError as e:
-                st.error(str(e))
-                st.stop()
-    return sources[choice]
-
-
-def _session_folder() -> SessionFolder:
-    """This session's upload folder (removed when the session ends and its state is dropped)."""
-    if "attnlab_uploads" not in st.session_state:
-        from streamlit.runtime.scriptrunner import get_script_run_ctx
-
-        ctx = get_script_run_ctx()
-        name = ctx.session_id if ctx is not None else "no-session"
-        st.session_state["attnlab_uploads"] = SessionFolder(re.sub(r"[^A-Za-z0-9_-]", "_", name)[:64])
-    return st.session_state["attnlab_uploads"]
+        return getattr(controls, name)
+    raise AttributeError(f"module 'appkit.analysis' has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -174,50 +54,7 @@ class Settings:
     mode: str = "recompute"
     u: float = 0.5
     iters: int = 3
-
-
-def settings_input(prefix: str, *, variants: bool = True) -> Settings:
-    """Sidebar: model, variants, mode, HNAS u and Sinkhorn iterations."""
-    source = model_input(prefix)
-    with st.sidebar:
-        chosen = attnlab.VARIANTS
-        if variants:
-            chosen = remembered(
-                prefix,
-                "variants",
-                st.multiselect,
-                list(attnlab.VARIANTS),
-                "Variants",
-                list(attnlab.VARIANTS),
-                valid=lambda v: bool(v),
-            )
-            if not chosen:
-                st.warning("Pick at least one variant.")
-                st.stop()
-        mode = remembered(
-            prefix,
-            "mode",
-            st.radio,
-            "recompute",
-            "Mode",
-            list(hf.MODES),
-            horizontal=True,
-            help="recompute: every variant from the model's own queries and keys; "
-            "swap: the variant replaces the model's attention (later layers change too)",
-        )
-        u = remembered(
-            prefix,
-            "u",
-            st.slider,
-            0.5,
-            "HNAS u",
-            0.0,
-            1.0,
-            step=0.05,
-            help="u·DNAS + (1-u)·UNAS; column mass >= u/N",
-        )
-        iters = remembered(prefix, "iters", st.slider, 3, "Sinkhorn iterations", 1, 20)
-    return Settings(source, tuple(v for v in attnlab.VARIANTS if v in chosen), mode, float(u), int(iters))
+    extra: tuple = ()  # (name, value) of every other registered variant parameter (e.g. tol), sorted
 
 
 # ----------------------------------------------------------------------------------------------
@@ -250,7 +87,10 @@ class WindowView:
         """Identifies the inputs of this analysis (cache keys of figures built from it)."""
         s = self.settings
         variants = ",".join(s.variants)
-        return f"{s.source.key}|{self.text_sha256}|{variants}|{s.mode}|{s.u:g}|{s.iters}|{self.window}"
+        extra = ",".join(f"{k}={v}" for k, v in s.extra)
+        return (
+            f"{s.source.key}|{self.text_sha256}|{variants}|{s.mode}|{s.u:g}|{s.iters}|{extra}|{self.window}"
+        )
 
     @property
     def n_windows(self) -> int:
@@ -286,19 +126,29 @@ class WindowView:
                 "mode": self.settings.mode,
                 "u": u,
                 "iters": self.iters,
+                "params": dict(self.settings.extra),
                 "window": self.windowing["window"],
             },
         }
 
 
 @st.cache_resource(max_entries=4, ttl=1800, show_spinner=False)
-def _plan(kind: str, path: str | None, text: str, variants: tuple, mode: str, u: float, iters: int):
+def _plan(
+    kind: str,
+    path: str | None,
+    text: str,
+    variants: tuple,
+    mode: str,
+    u: float,
+    iters: int,
+    extra: tuple = (),
+):
     """The planned analysis (``hf.stream_analysis``) of any model: Hugging Face or native checkpoint.
     A native HNAS checkpoint keeps the u it learned (the slider's u applies to other models)."""
     model = load(Source(kind, path, ""))
     if isinstance(model, hf.NativeModel) and hf.native.learned_u(model) is not None:
         u = None
-    return hf.stream_analysis(text, model, variants, mode, u, iters)
+    return hf.stream_analysis(text, model, variants, mode, u, iters, **dict(extra))
 
 
 @st.cache_resource(max_entries=3, ttl=1800, show_spinner=False)
@@ -312,10 +162,11 @@ def _window(
     u: float,
     iters: int,
     window: int,
+    extra: tuple = (),
 ) -> WindowView:
-    s = Settings(Source(kind, path, label), variants, mode, u, iters)
+    s = Settings(Source(kind, path, label), variants, mode, u, iters, extra)
     model = load(s.source)
-    plan = _plan(kind, path, text, variants, mode, u, iters)
+    plan = _plan(kind, path, text, variants, mode, u, iters, extra)
     result = plan.window(window)
     used = plan.u if isinstance(plan.u, float) else plan.u.numpy()
     return WindowView(
@@ -344,35 +195,15 @@ def _fail(e: Exception) -> None:
 def n_windows(s: Settings, text: str) -> int:
     """How many windows the text spans for this model (loads the model, tokenizes once)."""
     try:
-        plan = _plan(s.source.kind, s.source.path, text, s.variants, s.mode, s.u, s.iters)
+        plan = _plan(s.source.kind, s.source.path, text, s.variants, s.mode, s.u, s.iters, s.extra)
     except (ValueError, OSError) as e:  # ModelLoadError is a ValueError
         _fail(e)
     return plan.windowing.n_windows
 
 
-def window_view(prefix: str, s: Settings, text: str) -> WindowView:
-    """The analysis of the window the user picked (a picker appears for multi-window texts).
-
-    Bad input (a model that does not load, a text without tokens) -> a message, and the page stops.
-    """
-    count = n_windows(s, text)
-    window = 0
-    if count > 1:
-        window = st.slider(
-            f"Window (the text spans {count} windows)", 0, count - 1, 0, key=f"{prefix}_window"
-        )
-    try:
-        with st.spinner("Computing attention…"):
-            return _window(
-                s.source.kind, s.source.path, s.source.label, text, s.variants, s.mode, s.u, s.iters, window
-            )
-    except (ValueError, OSError) as e:
-        _fail(e)
-
-
 def view_for(source: Source, like: Settings, text: str, window: int = 0) -> WindowView:
     """Another model's analysis of the same text with the same settings (Compare page)."""
-    s = Settings(source, like.variants, like.mode, like.u, like.iters)
+    s = Settings(source, like.variants, like.mode, like.u, like.iters, like.extra)
     count = n_windows(s, text)
     try:
         return _window(
@@ -385,6 +216,7 @@ def view_for(source: Source, like: Settings, text: str, window: int = 0) -> Wind
             s.u,
             s.iters,
             min(window, count - 1),
+            s.extra,
         )
     except (ValueError, OSError) as e:
         _fail(e)

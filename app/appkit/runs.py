@@ -80,8 +80,13 @@ def _alive(pid: int | None, run_dir: Path) -> bool:
     if not pid:
         return False
     child = _CHILDREN.get(pid)
-    if child is not None and child.poll() is not None:  # reaped: ended
-        _CHILDREN.pop(pid, None)
+    if child is not None:  # started by this server: ask the process itself
+        if child.poll() is None:
+            # Alive. Its /proc cmdline may not name the run yet: between fork and exec it is still
+            # the server's command line, so the check below called a just-started run dead, the
+            # Train page drew it without polling and stayed at "starting — step 0" (issue 14).
+            return True
+        _CHILDREN.pop(pid, None)  # reaped: ended
         return False
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()

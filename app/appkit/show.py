@@ -1,16 +1,48 @@
-"""Showing a figure built from analyses: cached bundle, chart, Export menu with its manifest."""
+"""Showing a figure built from analyses: cached bundle, chart, Export menu with its manifest; and the
+focused token (click to focus), shared by the views of a page and kept in the URL (``?focus=``)."""
 
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import streamlit as st
 
+from appkit import state
 from appkit.analysis import WindowView
 from appkit.export import export_menu
 from attnlab.figures import app_views
 
 CHART_CONFIG = {"displaylogo": False}
+FOCUS = "focus"  # shared-state entry: {"view": WindowView.key, "position": int}
+
+
+def focus(view: WindowView) -> int | None:
+    """The focused token of this analysis (None: nothing focused, or it belongs to another text,
+    window or model). A link's ``?focus=`` is used once, for the view it opens on."""
+    values = state.shared()
+    if FOCUS not in values:
+        values[FOCUS] = {"view": view.key, "position": state.url_value(FOCUS, state.INT, None)}
+    f = values[FOCUS]
+    if f["view"] != view.key or f["position"] is None or not 0 <= f["position"] < view.shape[2]:
+        f.update(view=view.key, position=None)
+    state.set_url(FOCUS, f["position"], state.INT)
+    return f["position"]
+
+
+def set_focus(view: WindowView, position: int | None) -> None:
+    state.shared()[FOCUS] = {"view": view.key, "position": position}
+
+
+def _on_select(chart_key: str, view_key: str) -> None:
+    """A click on a chart: its point's token position becomes the focus (a click on the focused
+    token again clears the selection, and with it the focus)."""
+    points = st.session_state[chart_key]["selection"]["points"]
+    position = None
+    if points:
+        data = points[0].get("customdata")
+        position = int(data[0] if isinstance(data, (list, tuple)) else data) if data is not None else None
+    state.shared()[FOCUS] = {"view": view_key, "position": position}
 
 
 def _as_list(views: WindowView | list[WindowView]) -> list[WindowView]:
@@ -47,7 +79,11 @@ def bundle(
 
 
 def manifest(
-    kind: str, views: WindowView | list[WindowView], params: dict, labels: list[str] | None = None
+    kind: str,
+    views: WindowView | list[WindowView],
+    params: dict,
+    labels: list[str] | None = None,
+    file_name: str = "manifest.json",
 ) -> dict:
     views = _as_list(views)
     first = views[0]
@@ -59,6 +95,7 @@ def manifest(
         characters=first.characters,
         window=first.window,
         labels=labels,
+        file_name=file_name,
     )
 
 
@@ -72,15 +109,22 @@ def show(
     labels: list[str] | None = None,
     text: str | None = None,
     width="content",
+    clickable: bool = False,
 ) -> app_views.FigureBundle:
-    """Chart (key ``{prefix}_{name}``) + Export menu. Build errors become a message on the page."""
+    """Chart (key ``{prefix}_{name}``) + Export menu. Build errors become a message on the page.
+    ``clickable``: a click on a token (a point with its position in ``customdata``) focuses it."""
     try:
         b = bundle(kind, views, params, labels)
     except ValueError as e:
         st.warning(f"{name}: {e}")
         return None
-    st.plotly_chart(b.figure, key=f"{prefix}_{name}", width=width, theme=None, config=CHART_CONFIG)
-    export_menu(prefix, name, b, manifest(kind, views, params, labels), text)
+    key = f"{prefix}_{name}"
+    select = {}
+    if clickable:
+        view_key = _as_list(views)[0].key
+        select = {"on_select": partial(_on_select, key, view_key), "selection_mode": "points"}
+    st.plotly_chart(b.figure, key=key, width=width, theme=None, config=CHART_CONFIG, **select)
+    export_menu(prefix, name, b, manifest(kind, views, params, labels, f"{name}.manifest.json"), text)
     return b
 
 

@@ -69,3 +69,14 @@ def block_mean(maps: np.ndarray, max_size: int) -> tuple[np.ndarray, int]:
     rows = np.minimum(f, m - np.arange(bm) * f)  # entries per block row / column
     cols = np.minimum(f, n - np.arange(bn) * f)
     return (sums / np.outer(rows, cols)).astype(np.float32), f
+
+
+def check_focus(focus, n: int) -> int | None:
+    """A focused token position: None, or an int in [0, n) (numpy integers accepted)."""
+    if focus is None:
+        return None
+    if isinstance(focus, bool) or not isinstance(focus, (int, np.integer)):
+        raise ValueError(f"focus must be a token position (int) or None, got {type(focus).__name__}")
+    if not 0 <= int(focus) < n:
+        raise ValueError(f"focus must be a token position in [0, {n}), got {int(focus)}")
+    return int(focus)

@@ -2,16 +2,44 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
 import plotly.graph_objects as go
 
-from attnlab.figures._data import as_array, block_mean, check_tokens, unique_labels
+from attnlab.figures._data import as_array, block_mean, check_focus, check_tokens
 
 __all__ = ["attention_grid", "attention_heatmap"]
 
 COLORSCALE = "Viridis"
+PLURAL = {"query": "queries", "key": "keys"}
+FOCUS_COLOR = "#ff7f0e"  # the outline of a focused token's row and column (click to focus)
+
+
+def position_labels(tokens: Sequence[str]) -> list[str]:
+    """``"3: the"``: a token with its position, unique even when tokens repeat (axis categories)."""
+    return [f"{i}: {t}" for i, t in enumerate(tokens)]
+
+
+def label_step(n: int, plot_px: float, font_px: float) -> int:
+    """Label every k-th of n categories so that labels ``font_px`` high do not overlap on
+    ``plot_px`` pixels (k = 1 while they fit)."""
+    return max(1, math.ceil(n * (font_px + 2) / max(plot_px, 1.0)))
+
+
+def focus_shapes(focus: int | None, m: int, n: int, *, xref: str = "x", yref: str = "y") -> list[dict]:
+    """Outlines of the focused token's row (what it sends, as a query) and column (what it receives,
+    as a key) on an (m, n) map drawn on category axes (cells at integer positions)."""
+    if focus is None:
+        return []
+    line = {"color": FOCUS_COLOR, "width": 2}
+    out = []
+    if 0 <= focus < m:
+        out.append({"type": "rect", "x0": -0.5, "x1": n - 0.5, "y0": focus - 0.5, "y1": focus + 0.5})
+    if 0 <= focus < n:
+        out.append({"type": "rect", "x0": focus - 0.5, "x1": focus + 0.5, "y0": -0.5, "y1": m - 0.5})
+    return [{**s, "xref": xref, "yref": yref, "line": line, "layer": "above"} for s in out]
 
 
 def attention_grid(
@@ -59,7 +87,7 @@ def attention_grid(
     def label(i: int, what: str, count: int, toks) -> str:
         if f == 1:
             return f"{what} {i} {toks[i]!r}" if toks is not None else f"{what} {i}"
-        return f"{what}s {i * f}-{min((i + 1) * f, count) - 1}"
+        return f"{PLURAL[what]} {i * f}-{min((i + 1) * f, count) - 1}"
 
     xs, ys = [], []  # gutters get a unique blank label (thin spaces)
     for head in range(H):
@@ -110,31 +138,86 @@ def attention_heatmap(
     query_tokens: Sequence[str] | None = None,
     title: str = "Attention weights",
     zmax: float | None = None,
+    focus: int | None = None,
+    showscale: bool = True,
+    click_targets: bool = False,
 ) -> go.Figure:
     """One head's (M, N) weights with token labels on both axes and hover (query, key, weight).
 
     ``tokens`` label the N keys (x); ``query_tokens`` the M queries (y), default ``tokens``. Queries
-    run top to bottom. Repeated tokens stay separate rows / columns (made distinct invisibly).
-    The single heatmap trace holds the weights unchanged (float32).
+    run top to bottom. Axis categories carry the position ("3: the"), so repeated tokens stay apart
+    and the hover names both positions; every label is drawn while they fit (else every k-th, evenly).
+    ``focus`` outlines one token's row and column (:func:`focus_shapes`); ``zmax`` fixes the top of
+    the colour scale (shared by compared panels). The heatmap trace holds the weights unchanged
+    (float32). ``click_targets`` adds a second trace, one invisible marker per cell (``customdata`` =
+    [query, key, weight]), which carries the hover and makes cells clickable (plotly cannot select
+    heatmap cells); use it for maps of up to ~80 tokens.
     """
     w = as_array(weights, "weights", 2)
     M, N = w.shape
     keys = check_tokens(tokens, N)
     queries = check_tokens(tokens if query_tokens is None else query_tokens, M, "query_tokens")
+    focus = check_focus(focus, max(M, N))
+    side = int(min(max(16 * max(M, N) + 170, 440), 1400))
+    font = 11 if max(M, N) <= 48 else 10 if max(M, N) <= 80 else 9
+    xs, ys = position_labels(keys), position_labels(queries)
     fig = go.Figure(
         go.Heatmap(
             z=w,
-            x=unique_labels(keys),
-            y=unique_labels(queries),
+            x=xs,
+            y=ys,
             colorscale=COLORSCALE,
             zmin=0.0,
-            zmax=float(w.max()) if zmax is None and w.size else zmax,
+            zmax=(float(w.max()) if w.size else 1.0) if zmax is None else zmax,
+            showscale=showscale,
             colorbar={"title": {"text": "weight"}},
-            hovertemplate="query: %{y}<br>key: %{x}<br>weight: %{z:.4f}<extra></extra>",
+            hovertemplate="query %{y}<br>key %{x}<br>weight %{z:.4f}<extra></extra>",
         )
     )
-    side = int(min(max(14 * max(M, N) + 160, 420), 1400))
-    fig.update_xaxes(type="category", title="key (attended to)", tickangle=-60)
-    fig.update_yaxes(type="category", title="query (attending)", autorange="reversed")
-    fig.update_layout(title=title, width=side + 80, height=side)
+    kx, ky = label_step(N, side - 170, font), label_step(M, side - 170, font)
+    fig.update_xaxes(
+        type="category",
+        title="key (attended to)",
+        tickangle=-90,
+        tickmode="array",
+        tickvals=xs[::kx],
+        tickfont={"size": font},
+        range=[-0.5, N - 0.5],  # exactly the cells (click targets would pad an automatic range)
+        automargin=True,
+        title_standoff=6,
+    )
+    fig.update_yaxes(
+        type="category",
+        title="query (attending)",
+        tickmode="array",
+        tickvals=ys[::ky],
+        tickfont={"size": font},
+        range=[M - 0.5, -0.5],  # reversed: queries top to bottom
+        automargin=True,
+        title_standoff=6,
+    )
+    fig.update_layout(title=title, width=side + 80, height=side, shapes=focus_shapes(focus, M, N))
+    if click_targets:
+        qi, kj = (a.ravel() for a in np.indices((M, N)))
+        fig.data[0].hoverinfo = "skip"
+        fig.data[0].hovertemplate = None
+        hidden = {"marker": {"opacity": 1.0}}  # transparent by colour: selection must not show them
+        fig.add_trace(
+            go.Scatter(
+                x=np.asarray(xs, dtype=object)[kj],
+                y=np.asarray(ys, dtype=object)[qi],
+                mode="markers",
+                marker={
+                    "size": max(6, (side - 170) // max(M, N)),
+                    "symbol": "square",
+                    "color": "rgba(0,0,0,0)",
+                },
+                customdata=np.column_stack([qi, kj, w.ravel()]),
+                hovertemplate="query %{y}<br>key %{x}<br>weight %{customdata[2]:.4f}<extra></extra>",
+                showlegend=False,
+                selected=hidden,
+                unselected=hidden,
+            )
+        )
+        fig.update_layout(hovermode="closest")
     return fig

@@ -135,12 +135,16 @@ def explained_away_heatmap(
     *,
     zmax: float = 1.0,
     show_values: bool | None = None,
+    columns: int | None = None,
+    cell_px: int = 46,
 ) -> go.Figure:
     """Explained-away fraction per layer (rows) and head (columns), 0 = no key explained away.
 
-    ``fractions`` is an (L, H) array, or {variant: (L, H)} for one panel per variant side by side
-    sharing one color scale (e.g. ``stats.explained_away_fraction(weights, eps)`` per variant, or a
-    pivot of the tidy table). Cell values are printed when ``show_values`` (default: when L*H <= 144).
+    ``fractions`` is an (L, H) array, or {variant: (L, H)} for one panel per variant sharing one
+    color scale (e.g. ``stats.explained_away_fraction(weights, eps)`` per variant, or a pivot of the
+    tidy table). Panels wrap into ``columns`` per row (default: as many as fit 1,500 px at
+    ``cell_px`` per cell). Cell values are printed when ``show_values`` (default: when a cell is at
+    least 36 px wide and there are at most 400 cells per panel, so the numbers never run together).
     """
     panels = dict(fractions) if isinstance(fractions, Mapping) else {"": fractions}
     if not panels:
@@ -151,24 +155,31 @@ def explained_away_heatmap(
     if len(shapes) != 1:
         raise ValueError(f"every panel must have one (L, H) shape, got {sorted(shapes)}")
     L, H = shapes.pop()
-    show_values = L * H <= 144 if show_values is None else show_values
-    fig = make_subplots(rows=1, cols=len(data), shared_yaxes=True, horizontal_spacing=0.04,
-                        subplot_titles=[n for n in data] if len(data) > 1 or list(data) != [""] else None)
+    n = len(data)
+    cols = columns or max(1, min(n, 1500 // (cell_px * H + 70)))
+    rows = -(-n // cols)
+    if show_values is None:
+        show_values = cell_px >= 36 and L * H <= 400
+    names = list(data)
+    fig = make_subplots(rows=rows, cols=cols, shared_yaxes=True, horizontal_spacing=0.05,
+                        vertical_spacing=min(0.2, 0.6 / rows),
+                        subplot_titles=names if n > 1 or names != [""] else None)
     for k, (name, z) in enumerate(data.items()):
         label = f"{name}<br>" if name else ""
         fig.add_trace(go.Heatmap(
             z=z, x=np.arange(H), y=np.arange(L), coloraxis="coloraxis",
-            texttemplate="%{z:.2f}" if show_values else None, textfont={"size": 9},
+            texttemplate="%{z:.2f}" if show_values else None, textfont={"size": 10},
             hovertemplate=f"{label}layer %{{y}}, head %{{x}}<br>explained away: %{{z:.3f}}<extra></extra>",
-        ), row=1, col=k + 1)
-    fig.update_xaxes(title="head", dtick=1 if H <= 16 else None)
+        ), row=k // cols + 1, col=k % cols + 1)
+    fig.update_xaxes(dtick=1 if H <= 16 else None)
+    fig.update_xaxes(title="head", row=rows)  # under the last row only: clear of the titles below
     fig.update_yaxes(autorange="reversed", dtick=1 if L <= 24 else None)
     fig.update_yaxes(title="layer", col=1)
     fig.update_layout(
         title=title,
         coloraxis={"colorscale": "Reds", "cmin": 0.0, "cmax": zmax,
                    "colorbar": {"title": {"text": "fraction"}}},
-        width=min(1600, 120 + len(data) * (40 * H + 60)),
-        height=140 + 32 * L,
+        width=min(1600, 130 + cols * (cell_px * H + 70)),
+        height=120 + rows * (cell_px * 0.75 * L + 70),
     )
     return fig

@@ -1,0 +1,270 @@
+"""The spec-driven builder shared by the app's pages and :func:`attnlab.figures.reproduce_figure`:
+``build(kind, weights, tokens, params)`` -> :class:`FigureBundle` (figure + its data).
+
+Kinds built from one analysis (weights ``{variant: (L, H, N, N)}`` of one window + its tokens)::
+
+    grid            layer x head maps of one variant (attnlab.figures.attention_grid: one trace)
+    heatmap         one head's map with token labels (attnlab.figures.attention_heatmap)
+    head_view       lines from each query to each key, opacity = weight (bertviz-style)
+    model_view      every layer x head as a small head view (bertviz's model view, <= 64 tokens)
+    token_mass      the text's tokens shaded by the attention they receive (column mass), or by
+                    the row a focused token sends
+    column_mass     column-mass distributions per variant or layer (attnlab.figures, log axis)
+    explained_away  explained-away fraction per layer and head, one panel per variant
+
+Kinds built from several analyses ("sources", same tokens; ``params["variants"]`` holds one
+variant per source)::
+
+    panels          one head's map of every source side by side, one colour scale (or one each)
+    differences     A - B, A - C, ... for one head, on one diverging scale centred at 0
+    difference      A - B for one layer and head (diverging colours)
+    js_distance     Jensen-Shannon distance between A and B per layer and head
+    column_mass     (a list of sources) distributions overlaid, one curve per source
+
+Every kind that shows tokens takes ``params["focus"]`` (a token position or None: click to focus).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+
+from attnlab.figures._data import as_array, block_mean
+from attnlab.figures.attention import attention_grid, attention_heatmap
+from attnlab.figures.bundle import FigureBundle, long_table
+from attnlab.figures.distributions import column_mass_distribution, explained_away_heatmap
+from attnlab.figures.head_view import head_view, model_view
+from attnlab.figures.views import js_distance_heatmap, panel_heatmaps, token_mass_strip
+
+__all__ = ["KINDS", "MULTI_KINDS", "build"]
+
+KINDS = (
+    "grid",
+    "heatmap",
+    "head_view",
+    "model_view",
+    "token_mass",
+    "column_mass",
+    "explained_away",
+    "panels",
+    "differences",
+    "difference",
+    "js_distance",
+)
+PAIR_KINDS = ("difference", "js_distance")
+CLICKABLE_MAX_TOKENS = 80  # heatmaps up to this size get one click target per cell
+MULTI_KINDS = ("panels", "differences", *PAIR_KINDS)  # always a list of sources
+
+
+def _sources(kind: str, weights, p: dict, labels, count: int | None = None):
+    """The (L, H, N, N) array of each source's chosen variant, and the sources' labels."""
+    if isinstance(weights, Mapping) or (count is not None and len(weights) != count):
+        raise ValueError(
+            f"{kind} needs {count or 'a list of'} sources of weights ({{variant: (L, H, N, N)}} each)"
+        )
+    variants = list(p["variants"])
+    if len(variants) != len(weights):
+        raise ValueError(f"{kind}: got {len(weights)} sources and {len(variants)} variants")
+    arrays = [
+        as_array(w[v], f"weights[{k}][{v!r}]", 4)
+        for k, (w, v) in enumerate(zip(weights, variants, strict=True))
+    ]
+    if len({a.shape for a in arrays}) != 1:
+        raise ValueError(
+            f"{kind}: every source must have one shape to compare, got {[a.shape for a in arrays]}"
+        )
+    labels = list(labels or [chr(ord("A") + k) for k in range(len(arrays))])
+    return arrays, labels
+
+
+def _multi(kind: str, weights, tokens, p: dict, labels) -> FigureBundle:
+    layer, head = p.get("layer"), p.get("head")
+    if kind == "js_distance":
+        (a, b), (la, lb) = _sources(kind, weights, p, labels, 2)
+        from attnlab.stats import js_distance
+
+        js = js_distance(torch.from_numpy(a), torch.from_numpy(b)).numpy()  # (L, H)
+        fig = js_distance_heatmap(js, title=f"Jensen-Shannon distance, {la} vs {lb}")
+        table = long_table(js, [], ("layer", "head")).rename(columns={"weight": "js_distance"})
+        return FigureBundle(fig, table, {"js_distance": js})
+    arrays, names = _sources(kind, weights, p, labels, 2 if kind == "difference" else None)
+    maps = [a[layer, head] for a in arrays]  # (N, N) each
+    focus = p.get("focus")
+    if kind == "panels":
+        fig = panel_heatmaps(
+            maps,
+            tokens,
+            names,
+            shared_scale=p.get("shared_scale", True),
+            focus=focus,
+            title=f"Layer {layer}, head {head}"
+            + (" — one colour scale" if p.get("shared_scale", True) else " — a colour scale per panel"),
+        )
+        table = pd.concat(
+            [long_table(m, []).assign(panel=name) for m, name in zip(maps, names, strict=True)],
+            ignore_index=True,
+        )
+        return FigureBundle(
+            fig, table, {f"panel_{k}": m for k, m in enumerate(maps)} | {"tokens": np.array(tokens)}
+        )
+    diffs = [maps[0] - m for m in maps[1:]]  # (N, N) each: A - B, A - C, ...
+    titles = [f"{names[0]} minus {n}" for n in names[1:]]
+    if kind == "difference":
+        title = f"{names[0]} minus {names[1]}: layer {layer}, head {head}"
+        fig = panel_heatmaps(diffs, tokens, [title], diverging=True, focus=focus, title=title)
+        return FigureBundle(
+            fig, long_table(diffs[0], []), {"difference": diffs[0], "tokens": np.array(tokens)}
+        )
+    lim = max(float(np.abs(d).max()) for d in diffs)
+    fig = panel_heatmaps(
+        diffs,
+        tokens,
+        titles,
+        diverging=True,
+        focus=focus,
+        title=f"Differences from {names[0]}: layer {layer}, head {head} "
+        f"(one scale, centred at 0, ±{lim:.3g})",
+    )
+    table = pd.concat(
+        [long_table(d, []).assign(panel=t) for d, t in zip(diffs, titles, strict=True)], ignore_index=True
+    ).rename(columns={"weight": "difference"})
+    return FigureBundle(fig, table, {f"difference_{k + 1}": d for k, d in enumerate(diffs)})
+
+
+def _one_head(kind: str, v: str, w: np.ndarray, tokens, p: dict) -> FigureBundle:
+    """heatmap, head_view, token_mass of one variant's (L, H, N, N) weights."""
+    layer, head, focus = p["layer"], p.get("head"), p.get("focus")
+    if kind == "heatmap":
+        fig = attention_heatmap(
+            w[layer, head],
+            tokens,
+            title=f"{v}: layer {layer}, head {head}",
+            focus=focus,
+            zmax=p.get("zmax"),
+            click_targets=p.get("clickable", False) and w.shape[-1] <= CLICKABLE_MAX_TOKENS,
+        )
+        return FigureBundle(
+            fig, long_table(w[layer, head], []), {v: w[layer, head], "tokens": np.array(tokens)}
+        )
+    if kind == "head_view":
+        fig = head_view(
+            w[layer, head],
+            tokens,
+            title=f"{v}: head view, layer {layer}, head {head}",
+            min_weight=p.get("min_weight", 0.02),
+            focus=focus,
+        )
+        return FigureBundle(
+            fig, long_table(w[layer, head], []), {v: w[layer, head], "tokens": np.array(tokens)}
+        )
+    sel = w[layer] if head is None else w[layer, head][None]  # (h, N, N)
+    where = f"layer {layer}, " + ("mean over heads" if head is None else f"head {head}")
+    if focus is None:
+        mass = sel.sum(-2).mean(0)  # (N,) column mass, mean over the heads shown
+        title, what, column = f"{v}: attention each token receives ({where})", "mass", "column_mass"
+    else:
+        mass = sel[:, focus, :].mean(0)  # (N,) the row the focused token sends
+        title, what, column = f"{v}: attention {focus}: {tokens[focus]} sends ({where})", "weight", "sent"
+    fig = token_mass_strip(tokens, mass, title=title, bound=1.0 / len(tokens), focus=focus, what=what)
+    table = pd.DataFrame({"position": np.arange(len(tokens)), "token": tokens, column: mass})
+    return FigureBundle(fig, table, {column: mass})
+
+
+def build(
+    kind: str,
+    weights: Mapping[str, np.ndarray] | Sequence[Mapping[str, np.ndarray]],
+    tokens: Sequence[str],
+    params: Mapping,
+    *,
+    u: float | None = None,
+    labels: Sequence[str] | None = None,
+) -> FigureBundle:
+    """Build a figure of ``kind`` (see ``KINDS``) and its data.
+
+    Args:
+        kind: one of ``KINDS``.
+        weights: ``{variant: (L, H, N, N)}`` of one window; for ``MULTI_KINDS`` (and an overlaid
+            column_mass) a list of such dicts (sources A, B, ..., same tokens).
+        tokens: the window's N tokens.
+        params: the kind's settings: ``variant``, ``layer``, ``head``, ``focus`` (maps); ``variants``,
+            ``layer`` (None = all), ``group`` ("variant" | "layer"), ``dist`` ("ecdf" | "histogram")
+            for column_mass; ``eps`` (relative) for explained_away; ``max_tokens`` for grid;
+            ``variants`` = one variant per source and ``shared_scale`` for the multi-source kinds.
+        u: HNAS weight for the u/N line of column_mass (float only).
+        labels: display names of the sources (multi-source kinds).
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    p = dict(params)
+    if kind in MULTI_KINDS:
+        return _multi(kind, weights, tokens, p, labels)
+    if kind == "column_mass" and not isinstance(weights, Mapping):  # several sources overlaid
+        labels = list(labels or [f"source {k}" for k in range(len(weights))])
+        chosen = list(p["variants"])
+        if not len(labels) == len(chosen) == len(weights):
+            raise ValueError("column_mass over several sources needs one label and one variant per source")
+        p["hnas"] = "hnas" in chosen
+        weights = {f"{lab} · {v}": w[v] for lab, v, w in zip(labels, chosen, weights, strict=True)}
+        p["variants"] = list(weights)
+    if not isinstance(weights, Mapping):
+        raise ValueError(f"{kind} needs one source of weights {{variant: (L, H, N, N)}}")
+    if kind in ("grid", "model_view"):
+        v = p["variant"]
+        w = as_array(weights[v], f"weights[{v!r}]", 4)
+        if kind == "model_view":
+            fig = model_view(w, tokens, title=f"{v}: model view (every layer and head)", focus=p.get("focus"))
+            return FigureBundle(fig, long_table(w, ["layer", "head"]), {v: w, "tokens": np.array(tokens)})
+        fig = attention_grid(
+            w,
+            tokens,
+            title=f"{v}: attention by layer and head",
+            max_tokens=p.get("max_tokens", 64),
+            cell_px=72,
+        )
+        pooled, _ = block_mean(w, p.get("max_tokens", 64))
+        return FigureBundle(fig, long_table(pooled, ["layer", "head"]), {v: w, "tokens": np.array(tokens)})
+    if kind in ("heatmap", "head_view", "token_mass"):
+        v = p["variant"]
+        return _one_head(kind, v, as_array(weights[v], f"weights[{v!r}]", 4), tokens, p)
+    if kind == "column_mass":
+        variants = list(p.get("variants") or list(weights))
+        layer, group = p.get("layer"), p.get("group", "variant")
+        masses, frames = {}, []
+        for v in variants:
+            cm = as_array(weights[v], f"weights[{v!r}]", 4).sum(-2)  # (L, H, N)
+            for lay in range(cm.shape[0]) if layer is None else [layer]:
+                name = v if group == "variant" else f"{v} · layer {lay}"
+                masses.setdefault(name, []).append(cm[lay].reshape(-1))
+                frames.append(long_table(cm[lay], ["head"], ("key",)).assign(variant=v, layer=lay))
+        masses = {k: np.concatenate(x) for k, x in masses.items()}
+        n = int(np.asarray(next(iter(weights.values()))).shape[-1])
+        where = "every layer" if layer is None else f"layer {layer}"
+        fig = column_mass_distribution(
+            masses,
+            n,
+            u=u if p.get("hnas", "hnas" in variants) else None,
+            kind=p.get("dist", "ecdf"),
+            title=f"Column mass per key ({where}, every head)",
+        )
+        table = pd.concat(frames, ignore_index=True).rename(columns={"weight": "column_mass"})
+        return FigureBundle(
+            fig, table, {k.replace(" · ", "_").replace(" ", ""): x for k, x in masses.items()}
+        )
+    # explained_away
+    from attnlab.stats import explained_away_fraction
+
+    eps = float(p["eps"])
+    variants = list(p.get("variants") or list(weights))
+    fractions = {
+        v: explained_away_fraction(torch.from_numpy(as_array(weights[v], v, 4)), eps, relative=True).numpy()
+        for v in variants
+    }
+    fig = explained_away_heatmap(fractions, title=f"Explained-away fraction (relative column mass < {eps:g})")
+    table = pd.concat(
+        [long_table(f, [], ("layer", "head")).assign(variant=v) for v, f in fractions.items()],
+        ignore_index=True,
+    ).rename(columns={"weight": "explained_away"})
+    return FigureBundle(fig, table, dict(fractions))

@@ -1,0 +1,45 @@
+"""Statistics views: which tokens are explained away (DESIGN.md §4), as a table for the app."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+
+from attnlab.figures._data import as_array, check_tokens
+
+__all__ = ["most_explained_away", "relative_mass"]
+
+
+def relative_mass(w: np.ndarray) -> np.ndarray:
+    """(..., M, N) -> (..., N) relative column mass m_j * N / M (mean 1); DESIGN.md §4."""
+    M, N = w.shape[-2:]
+    return w.sum(-2) * (N / max(M, 1))
+
+
+def most_explained_away(
+    weights, tokens: Sequence[str], eps: float, *, layer: int | None = None, top: int = 15
+) -> pd.DataFrame:
+    """Tokens ranked by how often they are eps-explained away (relative column mass < eps).
+
+    weights: (L, H, N, N) of one variant; ``layer`` restricts to one layer (None: all layers).
+    Columns: position, token, share_of_heads (share of (layer, head) maps where the token is
+    explained away), meanrelative_mass, minrelative_mass; sorted by share, then mean mass.
+    """
+    w = as_array(weights, "weights", 4)
+    tokens = check_tokens(tokens, w.shape[-1])
+    if layer is not None:
+        w = w[layer : layer + 1]
+    rel = relative_mass(w).reshape(-1, w.shape[-1])  # (L*H, N)
+    frame = pd.DataFrame(
+        {
+            "position": np.arange(len(tokens)),
+            "token": tokens,
+            "share_of_heads": (rel < eps).mean(0),
+            "meanrelative_mass": rel.mean(0),
+            "minrelative_mass": rel.min(0),
+        }
+    )
+    frame = frame.sort_values(["share_of_heads", "meanrelative_mass"], ascending=[False, True])
+    return frame.head(top).reset_index(drop=True)
