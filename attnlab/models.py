@@ -43,7 +43,7 @@ from attnlab.checkpoint_io import (  # noqa: F401 -- re-exported: the names' old
 )
 from attnlab.data import IGNORE_INDEX
 from attnlab.modules import AttentionConfig, GAMAttention, GAMConfig, MultiHeadAttention
-from attnlab.normalizers import VARIANTS
+from attnlab.normalizers import VARIANTS, check_params
 
 __all__ = [
     "ModelConfig",
@@ -107,11 +107,11 @@ class ModelConfig:
                 setattr(self, name, list(value))
         for v in self.layer_variants():
             check("variant", v in VARIANTS, f"one of {tuple(VARIANTS)} (or a list of them)")
-            if self.kind == "decoder" and v == "sinkhorn" and self.iters != 1:
-                raise ValueError(
-                    f"ModelConfig.iters must be 1 for a causal 'sinkhorn' layer (got {self.iters}): "
-                    "causal Sinkhorn with more iterations degenerates toward the identity"
-                )
+            if self.kind == "decoder":  # the variant's own causal rule (its spec)
+                try:
+                    check_params(v, {"iters": self.iters}, causal=True)
+                except ValueError as e:
+                    raise ValueError(f"ModelConfig.{e}") from None
         bad = set(self.gam_options) - {f.name for f in fields(GAMConfig)} | (
             set(self.gam_options) & {"d_model", "n_heads", "variant", "iters", "u", "dropout"}
         )

@@ -95,7 +95,7 @@ def _check_y(y, name: str = "y") -> torch.Tensor:
 
 
 def signed_power(x: torch.Tensor, n: float) -> torch.Tensor:
-    """phi_n(x): x^n for integer n (even or odd), sign(x)|x|^n otherwise (DESIGN.md §3); n > 0."""
+    """phi_n(x): x^n for integer n (even or odd), sign(x)|x|^n otherwise (docs/DESIGN.md §3); n > 0."""
     n = _check_exponent(n)
     x = _check_y(x, "x")
     if n.is_integer():

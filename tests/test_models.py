@@ -130,7 +130,7 @@ def test_save_and_load_round_trip_without_unpickling(tmp_path, monkeypatch):
         ({"kind": "seq2seq"}, "kind must be"),
         ({"gam": True, "gam_options": {"bogus": 1}}, "unknown or reserved"),
         ({"gam": True, "gam_options": {"n_brains": 0}}, "n_brains"),
-        ({"kind": "decoder", "variant": "sinkhorn", "iters": 3}, "causal 'sinkhorn'"),
+        ({"kind": "decoder", "variant": "sinkhorn", "iters": 3}, "iters must be 1 for causal sinkhorn"),
     ],
 )
 def test_config_errors(kw, match):

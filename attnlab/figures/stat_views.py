@@ -1,4 +1,4 @@
-"""Statistics views: which tokens are explained away (DESIGN.md §4), as a table for the app."""
+"""Statistics views: which tokens are explained away (docs/DESIGN.md §4), as a table for the app."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ __all__ = ["most_explained_away", "relative_mass"]
 
 
 def relative_mass(w: np.ndarray) -> np.ndarray:
-    """(..., M, N) -> (..., N) relative column mass m_j * N / M (mean 1); DESIGN.md §4."""
+    """(..., M, N) -> (..., N) relative column mass m_j * N / M (mean 1); docs/DESIGN.md §4."""
     M, N = w.shape[-2:]
     return w.sum(-2) * (N / max(M, 1))
 

@@ -1,4 +1,4 @@
-"""Explaining-away statistics of attention weights (DESIGN.md §4). Pure functions on tensors.
+"""Explaining-away statistics of attention weights (docs/DESIGN.md §4). Pure functions on tensors.
 
 Notation: queries i = 1..M ("upper" neurons, rows), keys j = 1..N ("lower" neurons, columns).
 

@@ -9,10 +9,11 @@ to every statistic it enters.
 from __future__ import annotations
 
 import math
-import numbers
 
-import numpy as np
 import torch
+
+from attnlab.normalizers.checks import check_number as _check_number
+from attnlab.normalizers.specs import check_param
 
 LN2 = math.log(2.0)
 
@@ -51,20 +52,9 @@ def check_bool(name: str, t, shape: torch.Size, what: str) -> torch.Tensor:
 
 def check_number(name: str, value, *, low: float | None = None, high: float | None = None,
                  integer: bool = False) -> float | int:
-    """A real (or integral) Python / numpy scalar in [low, high] -> float (int); NaN is refused."""
-    kind = numbers.Integral if integer else numbers.Real
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, kind):
-        if isinstance(value, torch.Tensor) and value.dim() == 0 and not integer and value.is_floating_point():
-            value = float(value)
-        else:
-            want = "an integer" if integer else "a number"
-            raise ValueError(f"{name} must be {want}, got {value!r} ({type(value).__name__})")
-    v = int(value) if integer else float(value)
-    if v != v or (low is not None and v < low) or (high is not None and v > high):
-        lo = "-inf" if low is None else low
-        hi = "inf" if high is None else high
-        raise ValueError(f"{name} must lie in [{lo}, {hi}], got {value!r}")
-    return v
+    """A real (or integral) Python / numpy / 0-d tensor number in [low, high] -> float (int); NaN is
+    refused. The one number check of attnlab (attnlab.normalizers.checks)."""
+    return _check_number(name, value, kind=int if integer else float, low=low, high=high)
 
 
 def check_eps(name: str, eps) -> float:
@@ -73,14 +63,9 @@ def check_eps(name: str, eps) -> float:
 
 
 def check_unit_tensor(name: str, u: torch.Tensor) -> torch.Tensor:
-    """A floating tensor of values in [0, 1] (HNAS hybrid weights), detached."""
-    if not u.is_floating_point():
-        raise ValueError(f"{name} must be a floating-point tensor of values in [0, 1], got dtype {u.dtype}")
-    u = u.detach()
-    if u.numel() and not bool(((u >= 0) & (u <= 1)).all()):  # NaN fails both comparisons
-        bad = u[~((u >= 0) & (u <= 1))].flatten()[0].item()
-        raise ValueError(f"{name} must hold values in [0, 1], got {bad!r} among them")
-    return u
+    """HNAS hybrid weights: the declaration of ``u`` (attnlab.normalizers, one check per parameter),
+    detached. ``name`` is kept for the callers' signatures; the parameter is always u."""
+    return check_param("u", u).detach()
 
 
 def pair_mask(valid_q: torch.Tensor, valid_k: torch.Tensor | None = None) -> torch.Tensor:

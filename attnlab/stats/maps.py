@@ -32,7 +32,7 @@ from attnlab.stats._checks import (
 )
 
 # ----------------------------------------------------------------------------------------------
-# Column mass and explaining away (DESIGN.md §4)
+# Column mass and explaining away (docs/DESIGN.md §4)
 # ----------------------------------------------------------------------------------------------
 
 
