@@ -168,3 +168,28 @@ def test_docs_table_lists_every_builtin_with_its_parameters():
         assert spec.name in table, spec.name
         for p in spec.params:
             assert f"`{p.name}`" in table[spec.name] and f"({p.default:g})" in table[spec.name], p
+
+
+@pytest.mark.slow
+def test_toy_variant_in_the_app(toy, monkeypatch, tmp_path):
+    """The app offers a variant registered in the server's process, with its parameter's widget, and
+    analyses the text with it (AppTest runs the app in this process)."""
+    pytest.importorskip("streamlit.testing.v1")
+    from streamlit.testing.v1 import AppTest
+
+    monkeypatch.setenv("ATTNLAB_DEBUG", "1")
+    monkeypatch.setenv("ATTNLAB_UMAP", "off")
+    monkeypatch.setenv("ATTNLAB_RUNS_DIR", str(tmp_path / "runs"))
+    monkeypatch.setenv("ATTNLAB_UPLOADS_DIR", str(tmp_path / "uploads"))
+    at = AppTest.from_file(str(ROOT / "app" / "streamlit_app.py"), default_timeout=240).run()
+    assert not at.exception, [e.message for e in at.exception]
+    picker = at.multiselect(key="inspect_variants")
+    assert "tempered" in picker.options
+    at = picker.set_value(["unas", "tempered"]).run()
+    assert not at.exception, [e.message for e in at.exception]
+    widget = next(w for w in at.get("slider") + at.get("number_input") if w.key == "inspect_tempered_t")
+    assert widget.value == 2.0 and widget.help == "temperature"
+    widget.set_value(4.0).run()
+    assert not at.exception, [e.message for e in at.exception]
+    snippet = next(c.value for c in at.code if "attnlab analyze" in c.value)
+    assert "--variants unas,tempered" in snippet and "--t 4" in snippet

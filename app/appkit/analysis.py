@@ -148,6 +148,8 @@ def _plan(
     model = load(Source(kind, path, ""))
     if isinstance(model, hf.NativeModel) and hf.native.learned_u(model) is not None:
         u = None
+    if model.info.causal and iters == attnlab.variant_spec("sinkhorn").param("iters").default:
+        iters = None  # the slider left at its default: the causal rule's 1 (more rounds are refused)
     return hf.stream_analysis(text, model, variants, mode, u, iters, **dict(extra))
 
 
