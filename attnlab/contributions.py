@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from attnlab import stats
+from attnlab.stats._checks import check_eps
 
 __all__ = [
     "CONTRIBUTION_STATISTICS",
@@ -143,7 +144,7 @@ def contribution_statistics(
     if w.dim() != 4:
         raise ValueError(f"weights must be (L, H, M, N), got shape {tuple(w.shape)}")
     L, H, M, N = w.shape
-    eps, eps_relative = stats._check_eps("eps", eps), stats._check_eps("eps_relative", eps_relative)
+    eps, eps_relative = check_eps("eps", eps), check_eps("eps_relative", eps_relative)
     if not (M and N):
         return {k: torch.zeros(L, H, dtype=torch.float64) for k in CONTRIBUTION_STATISTICS}
     m = w.sum(-2)  # (L, H, N) column masses
@@ -212,7 +213,7 @@ def explained_away_fraction_by(
     renormalized (``attnlab.sinks.sink_excluded_column_mass``)."""
     from attnlab import sinks
 
-    eps_relative = stats._check_eps("eps_relative", eps_relative)
+    eps_relative = check_eps("eps_relative", eps_relative)
     w = _check("weights", weights, 3)
     M = w.shape[-2]
     if exclude is None:

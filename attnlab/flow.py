@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from attnlab import stats
+from attnlab.stats._checks import check_weights
 
 __all__ = ["CAPACITY_SCALE", "MAX_FLOW_WORK", "flow_work", "flow_capacities", "attention_flow"]
 
@@ -42,7 +42,7 @@ def flow_work(n_layers: int, n_tokens: int, n_outputs: int) -> float:
 def flow_capacities(weights: torch.Tensor, add_residual: bool = True) -> torch.Tensor:
     """A_l (L, N, N) float64: heads averaged (weights (L, H, N, N); (L, N, N) is taken as averaged),
     0.5 W + 0.5 I with ``add_residual``, rows renormalized to 1 (empty rows stay 0)."""
-    w = stats._check_weights("weights", weights, min_dim=3)
+    w = check_weights("weights", weights, min_dim=3)
     if w.dim() not in (3, 4) or w.shape[-1] != w.shape[-2]:
         raise ValueError(f"weights must be (L, H, N, N) or (L, N, N), got shape {tuple(w.shape)}")
     a = w.double().cpu()

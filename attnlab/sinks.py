@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from attnlab import stats
+from attnlab.stats._checks import check_eps, check_weights
 
 __all__ = [
     "SINK_CHOICES",
@@ -72,7 +73,7 @@ def sink_keys(n: int, special: torch.Tensor | None = None, which: str = "first+s
 
 
 def _check(weights, keys) -> tuple[torch.Tensor, torch.Tensor]:
-    w = stats._check_weights("weights", weights, min_dim=2)
+    w = check_weights("weights", weights, min_dim=2)
     N = w.shape[-1]
     if not isinstance(keys, torch.Tensor) or keys.dtype != torch.bool or keys.shape != (N,):
         got = f"{keys.dtype} {tuple(keys.shape)}" if isinstance(keys, torch.Tensor) else type(keys).__name__
@@ -112,7 +113,7 @@ def sink_statistics(
     w, keys = _check(weights, keys)
     if w.dim() != 4:
         raise ValueError(f"weights must be (L, H, M, N), got shape {tuple(w.shape)}")
-    eps, eps_relative = stats._check_eps("eps", eps), stats._check_eps("eps_relative", eps_relative)
+    eps, eps_relative = check_eps("eps", eps), check_eps("eps_relative", eps_relative)
     L, H, M, N = w.shape
     first = torch.zeros(N, dtype=torch.bool)
     first[:1] = True

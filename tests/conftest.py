@@ -18,6 +18,14 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    # Triton decides "interpreted or compiled" when a @triton.jit function is defined -- its own
+    # standard library's too, at `import triton`, which torch._dynamo triggers early (transformers,
+    # torch.compiler). Without a GPU attnlab.gpu's kernels can only run interpreted, so the whole
+    # session interprets; attnlab.gpu.loader reads the variable per call (tests/test_triton.py).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 CORPUS = [
     "Attention lets every word look at every other word.",
