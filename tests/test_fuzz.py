@@ -8,10 +8,6 @@ asserts one of two outcomes: the float64 contiguous reference's result within ``
 ValueError whose message names the argument. Never another exception type, never NaN from finite
 inputs; every case is small, so none can hang. Seeded (derandomized hypothesis). The statistics
 are fuzzed in tests/test_fuzz_stats.py, hf and the CLI in tests/test_fuzz_entry.py.
-
-Tests marked ``xfail(strict=False, reason="lead: normalizers ...")`` pin behaviour the normalizers'
-owner is fixing (non-contiguous inputs, NaN, numpy scalars, degenerate shapes, argument checks of
-the log-sum-exp functions); they pass once the fix lands.
 """
 
 from __future__ import annotations
@@ -46,7 +42,6 @@ import attnlab
 from attnlab import scores as sc
 
 PAPER = ("unas", "dnas", "hnas", "sinkhorn")  # the variants with a literal reference here
-LEAD = "lead: normalizers (issue 10 items 1-5)"
 ARGS = ("scores", "q", "k", "v", "mask", "u", "iters", "scale", "variant", "causal", "query_bias")
 
 
@@ -112,7 +107,8 @@ def problems(
         "zero": 0,
         "one": 1,
     }[u_kind]
-    iters_arg = r.pick([iters, None if iters == 1 else iters] + ([np.int64(iters)] if numpy else []))
+    default = attnlab.check_params("sinkhorn", {}, causal=causal)["iters"]  # the spec's (causal: 1)
+    iters_arg = r.pick([iters, None if iters == default else iters] + ([np.int64(iters)] if numpy else []))
     return dict(
         B=B,
         H=H,
@@ -186,24 +182,7 @@ CLASSES = {
     "numpy": (dict(numpy=True), "u, iters (and scale) as numpy scalars"),
     "empty": (dict(min_len=0, max_len=2), "M or N = 0"),
 }
-PENDING = {  # input class -> what the normalizers' owner is fixing (measured on this branch's base)
-    "views": "non-contiguous inputs (item 1)",
-    "half": None,
-    "numpy": "numpy scalars refused (item 3)",
-    "empty": "0 queries or keys: IndexError (item 4)",
-}
-
-
-def _classes(pending=PENDING):
-    return [
-        pytest.param(c, marks=pytest.mark.xfail(strict=False, reason=f"{LEAD}: {pending[c]}"))
-        if pending.get(c)
-        else c
-        for c in CLASSES
-    ]
-
-
-@pytest.mark.parametrize("case", _classes())
+@pytest.mark.parametrize("case", list(CLASSES))
 def test_attention_weights_input_classes(case, reliability):
     kw, what = CLASSES[case]
 
@@ -221,7 +200,6 @@ def test_attention_weights_input_classes(case, reliability):
     )
 
 
-@pytest.mark.xfail(strict=False, reason=LEAD + ": NaN must propagate (today: finite unnormalized weights)")
 def test_attention_weights_nan_propagates(reliability):
     @fuzz_settings(80)
     @given(problems(max_len=4), st.data())
@@ -242,7 +220,6 @@ def test_attention_weights_nan_propagates(reliability):
     )
 
 
-@pytest.mark.xfail(strict=False, reason=LEAD + ": +-inf scores (NaN propagation or ValueError naming scores)")
 def test_attention_weights_inf_scores(reliability):
     @fuzz_settings(40)
     @given(problems(max_len=4), st.data())
@@ -268,9 +245,6 @@ def test_attention_weights_inf_scores(reliability):
     )
 
 
-@pytest.mark.xfail(
-    strict=False, reason=LEAD + ": one validation per parameter (u shapes, numpy, causal rule)"
-)
 def test_attention_weights_bad_arguments_are_worded(reliability):
     @fuzz_settings(80)
     @given(problems(max_len=3, dtypes=(torch.float32,)), st.data())
@@ -412,7 +386,7 @@ def test_attend_contiguous_float_inputs(reliability):
     )
 
 
-@pytest.mark.parametrize("case", _classes())
+@pytest.mark.parametrize("case", list(CLASSES))
 def test_attend_input_classes(case, reliability):
     kw, what = CLASSES[case]
 
@@ -429,7 +403,6 @@ def test_attend_input_classes(case, reliability):
     )
 
 
-@pytest.mark.xfail(strict=False, reason=LEAD + ": scale inf / NaN / 0 / negative must be a ValueError")
 def test_attend_bad_scale_is_worded(reliability):
     @fuzz_settings(30)
     @given(
@@ -507,17 +480,11 @@ LSE_CLASSES = {
     "masks": (dict(), "masks of every broadcastable shape"),
     **{k: v for k, v in CLASSES.items() if k != "half"},
 }
-LSE_PENDING = {"contiguous": None, "masks": "low-dim masks: IndexError (item 4)", **PENDING}
 
 
 @pytest.mark.parametrize(
     "case",
-    [
-        pytest.param(c, marks=pytest.mark.xfail(strict=False, reason=f"{LEAD}: {LSE_PENDING[c]}"))
-        if LSE_PENDING.get(c)
-        else c
-        for c in LSE_CLASSES
-    ],
+    list(LSE_CLASSES),
 )
 def test_column_and_row_logsumexp_match_reference(case, reliability):
     kw, what = LSE_CLASSES[case]
@@ -548,7 +515,6 @@ def test_column_and_row_logsumexp_match_reference(case, reliability):
     )
 
 
-@pytest.mark.xfail(strict=False, reason=LEAD + ": column_logsumexp has no argument checks (item 4)")
 def test_column_logsumexp_bad_arguments_are_worded(reliability):
     @fuzz_settings(40)
     @given(
@@ -578,12 +544,7 @@ def test_column_logsumexp_bad_arguments_are_worded(reliability):
 
 @pytest.mark.parametrize(
     "case",
-    [
-        pytest.param(c, marks=pytest.mark.xfail(strict=False, reason=f"{LEAD}: {LSE_PENDING[c]}"))
-        if LSE_PENDING.get(c)
-        else c
-        for c in LSE_CLASSES
-    ],
+    list(LSE_CLASSES),
 )
 def test_sinkhorn_potentials_give_the_reference_weights(case, reliability):
     kw, what = LSE_CLASSES[case]

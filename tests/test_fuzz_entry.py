@@ -16,8 +16,6 @@ from fuzzkit import assert_value_error, fuzz_settings, one_thread  # noqa: F401 
 from hypothesis import given
 from hypothesis import strategies as st
 
-LEAD = "lead: hf / shared validation (issue 10 item 3)"
-
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
@@ -64,14 +62,6 @@ def test_batch_weights_valid_arguments(tiny, reliability):
     )
 
 
-PENDING_HF = {
-    "u_np": "numpy u refused",
-    "iters_np": "numpy iters refused",
-    "ids_float": "float ids: raw error",
-    "zero_tokens": "0 tokens: raw error",
-    "oov": "out-of-vocabulary id: raw IndexError",
-    "negative_id": "negative id: raw IndexError",
-}
 HF_CASES = [
     "u_range",
     "u_nan",
@@ -92,12 +82,7 @@ HF_CASES = [
 
 @pytest.mark.parametrize(
     "bad",
-    [
-        pytest.param(c, marks=pytest.mark.xfail(strict=False, reason=f"{LEAD}: {PENDING_HF[c]}"))
-        if c in PENDING_HF
-        else c
-        for c in HF_CASES
-    ],
+    HF_CASES,
 )
 def test_batch_weights_bad_arguments(tiny, bad, reliability):
     from attnlab import hf
@@ -143,7 +128,6 @@ def test_batch_weights_bad_arguments(tiny, bad, reliability):
     reliability("fuzz: hf.batch_weights bad arguments", f"{bad}", f"ValueError: {msg}")
 
 
-@pytest.mark.xfail(strict=False, reason=LEAD + ": recompute mode accepts u outside [0, 1] / NaN tensors")
 @pytest.mark.parametrize("u", [torch.tensor(1.5), torch.tensor(float("nan")), torch.full((2, 4), -0.5)])
 def test_analyze_recompute_refuses_bad_u_like_swap(tiny, u, reliability):
     from attnlab import hf

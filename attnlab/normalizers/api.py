@@ -51,7 +51,10 @@ def normalize(scores: torch.Tensor, variant: str, mask: torch.Tensor | None,
     logits = scores.to(compute_dtype(scores.dtype))
     if mask is not None:
         logits = logits.masked_fill(~mask, NEG_INF)
-    return variant_spec(variant).normalizer(logits, ctx).to(scores.dtype)
+    weights = variant_spec(variant).normalizer(logits, ctx)
+    if mask is not None:  # a masked entry's weight is 0, even in a row that a NaN score made NaN
+        weights = weights.masked_fill(~mask, 0.0)
+    return weights.to(scores.dtype)
 
 
 def attention_weights(
@@ -155,6 +158,9 @@ def attend(
     scale = check_scale(scale, 1.0 / math.sqrt(D) if D else 1.0)
 
     out_dtype = q.dtype
+    if M == 0 or N == 0:  # nobody asking or nothing to attend to: zero rows (every path agrees)
+        out = q.new_zeros(B, H, M, v.shape[-1])
+        return (out, q.new_zeros(B, H, M, N)) if return_weights else out
     spec = variant_spec(variant)
     if q.device.type == "cuda" and spec.gpu is not None and not return_weights and all_finite(q, k):
         # the Triton kernels take the caller's dtypes (bf16/fp16 accumulate in float32) and strides

@@ -93,6 +93,9 @@ def check_number(name: str, value, *, kind: type = float, low=None, high=None, p
     """
     expected = _range_text(kind, low, high)
     v = scalar(value)
+    if isinstance(v, torch.Tensor) and v.dim() == 0 and not per_head and v.device.type != "meta" \
+            and v.dtype != torch.bool:
+        v = v.item()  # a 0-d tensor where a number is asked for: its number
     if isinstance(v, torch.Tensor):
         if not per_head:
             raise ValueError(f"{name} must be {expected}, got a tensor of shape {tuple(v.shape)}")

@@ -65,9 +65,15 @@ def safe_logsumexp(x: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.log(torch.where(total == 0, torch.ones_like(total), total)) + m
 
 
+def shift(logits: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """logits - c, masked entries (-inf) left -inf whatever c is: a NaN potential reaches only the
+    valid entries of its row or column (docs/DESIGN.md §4)."""
+    return torch.where(torch.isneginf(logits), logits, logits - c)
+
+
 def row_softmax(logits: torch.Tensor) -> torch.Tensor:
     """softmax over the last dim; a row of -inf becomes all zeros (not NaN)."""
-    return torch.exp(logits - safe_logsumexp(logits, -1))
+    return torch.exp(shift(logits, safe_logsumexp(logits, -1)))
 
 
 def prefix_column_logsumexp(logits: torch.Tensor, carry: torch.Tensor | None = None) -> torch.Tensor:
@@ -108,7 +114,7 @@ def dnas(logits: torch.Tensor, ctx: NormalizerContext) -> torch.Tensor:
         c = prefix_column_logsumexp(logits)  # (B, H, M, N)
     else:
         c = safe_logsumexp(logits, -2)  # (B, H, 1, N); gradients flow through c_j
-    return row_softmax(logits - c)
+    return row_softmax(shift(logits, c))
 
 
 def hnas(logits: torch.Tensor, ctx: NormalizerContext) -> torch.Tensor:
@@ -123,7 +129,7 @@ def sinkhorn_column_step(logits: torch.Tensor, mask_counts: torch.Tensor | None 
     keeps the potentials from drifting by ln(M/N) per round (float32 drift over many rounds).
     ``mask_counts`` is log(M_valid / N_valid) of shape (..., 1, 1) or None (0: M = N).
     """
-    logits = logits - safe_logsumexp(logits, -2)
+    logits = shift(logits, safe_logsumexp(logits, -2))
     return logits if mask_counts is None else logits + mask_counts
 
 
@@ -142,10 +148,10 @@ def sinkhorn(logits: torch.Tensor, ctx: NormalizerContext) -> torch.Tensor:
     m_valid = rows.sum(-2, keepdim=True).to(logits.dtype)  # (B, H, 1, 1)
     n_valid = cols.sum(-1, keepdim=True).to(logits.dtype)
     target = torch.where(n_valid > 0, m_valid / n_valid.clamp(min=1), torch.ones_like(m_valid))
-    shift = torch.log(target.clamp(min=torch.finfo(logits.dtype).tiny))
+    recentre = torch.log(target.clamp(min=torch.finfo(logits.dtype).tiny))  # (B, H, 1, 1)
     for _ in range(ctx.iters - 1):
-        logits = sinkhorn_column_step(logits, shift)  # column step: sum_i = M_valid / N_valid
-        logits = logits - safe_logsumexp(logits, -1)  # row step:    sum_j = 1
+        logits = sinkhorn_column_step(logits, recentre)  # column step: sum_i = M_valid / N_valid
+        logits = shift(logits, safe_logsumexp(logits, -1))  # row step:    sum_j = 1
         if ctx.tol > 0 and not torch.is_grad_enabled():
             mass = torch.exp(logits).sum(-2, keepdim=True)  # (B, H, 1, N), after the row step
             gap = torch.where(cols, (mass - target).abs(), torch.zeros_like(mass))
@@ -190,4 +196,4 @@ def softmax1(logits: torch.Tensor, ctx: NormalizerContext) -> torch.Tensor:
     empty = torch.isneginf(logits).all(-1, keepdim=True) if logits.shape[-1] else None
     if empty is not None:
         lse = lse.masked_fill(empty, NEG_INF)  # the empty set's LSE: then logaddexp(0, .) = 0
-    return torch.exp(logits - torch.logaddexp(torch.zeros_like(lse), lse))
+    return torch.exp(shift(logits, torch.logaddexp(torch.zeros_like(lse), lse)))
