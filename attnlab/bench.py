@@ -89,18 +89,23 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def _interleaved_medians(fns: dict, repeats: int, device: str) -> dict:
+def _interleaved_medians(fns: dict, repeats: int, device: str, cpu: dict | None = None) -> dict:
     """Median seconds per callable, measured in rounds that call each once (warm-up round first), so
-    that load changes on a shared machine hit every case alike."""
+    that load changes on a shared machine hit every case alike. With ``cpu`` (a dict), also the median
+    CPU seconds of this process per call (all its threads; less sensitive to other processes' load)."""
     times = {name: [] for name in fns}
+    cpu_times = {name: [] for name in fns}
     for round_ in range(repeats + 1):
         for name, fn in fns.items():
             _sync(device)
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             fn()
             _sync(device)
             if round_:
                 times[name].append(time.perf_counter() - t0)
+                cpu_times[name].append(time.process_time() - c0)
+    if cpu is not None:
+        cpu.update({name: statistics.median(ts) for name, ts in cpu_times.items()})
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -133,7 +138,7 @@ def bench_attention(sizes=SIZES, device: str = "cpu", memory: bool = True, repea
                     heads: int = H, head_dim: int = D, dtype: str = "float32") -> dict:
     """Times (s) and ratios to SDPA per size, and peak extra memory (MiB) per size (CPU only)."""
     results = {"sizes": list(sizes), "device": device, "heads": heads, "head_dim": head_dim, "dtype": dtype,
-               "time_s": {}, "ratio": {}, "peak_extra_mib": {}}
+               "time_s": {}, "ratio": {}, "cpu_ratio": {}, "peak_extra_mib": {}}
     with torch.no_grad():
         for seq in sizes:
             q, k, v = _inputs(seq, device, heads, head_dim, DTYPES[dtype])
@@ -143,11 +148,15 @@ def bench_attention(sizes=SIZES, device: str = "cpu", memory: bool = True, repea
                 cases += [(lab, var, kw, True) for lab, var, kw in TRITON_CASES]
             fns = {lab: (lambda v_=var, kw=kw, t=t, x=(q, k, v): _call(v_, kw, *x, triton=t))
                    for lab, var, kw, t in cases}
-            t = _interleaved_medians(fns, reps, device)
+            cpu: dict = {}
+            t = _interleaved_medians(fns, reps, device, cpu)
             results["time_s"][seq] = t
             results["ratio"][seq] = {lab: t[lab] / t["sdpa"] for lab in t}
+            results["cpu_ratio"][seq] = {lab: cpu[lab] / max(cpu["sdpa"], 1e-9) for lab in cpu}
             print(f"S={seq}: " + "  ".join(f"{lab} {r:.2f}x" for lab, r in results["ratio"][seq].items()),
                   flush=True)
+            print(f"S={seq} (CPU time): " + "  ".join(
+                f"{lab} {r:.2f}x" for lab, r in results["cpu_ratio"][seq].items()), flush=True)
     if memory and device == "cpu" and (heads, head_dim, dtype) == (H, D, "float32"):
         for seq in sizes:
             results["peak_extra_mib"][seq] = {lab: _peak_extra_mib(lab, seq) for lab, _, _ in CASES}
@@ -170,6 +179,12 @@ def attention_markdown(res: dict) -> str:
         r = res["ratio"][seq]
         cells = [f"{res['time_s'][seq]['sdpa'] * 1e3:.1f} ms"] + [f"{r[lab]:.2f}x" for lab in labels[1:]]
         lines.append(f"| {seq} | " + " | ".join(cells) + " |")
+    if res.get("cpu_ratio"):
+        lines += ["", "The same calls' CPU time (all threads of the process) over SDPA's:", "",
+                  "| S | " + " | ".join(labels[1:]) + " |", "|---" * len(labels) + "|"]
+        for seq in res["sizes"]:
+            r = res["cpu_ratio"][seq]
+            lines.append(f"| {seq} | " + " | ".join(f"{r[lab]:.2f}x" for lab in labels[1:]) + " |")
     if res["peak_extra_mib"]:
         labels = list(res["peak_extra_mib"][res["sizes"][0]])
         lines += ["", "Peak extra memory (MiB, max-RSS growth of a fresh process during one call):", "",

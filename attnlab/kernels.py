@@ -17,6 +17,12 @@ row passes share one score panel and one exponential per score, and Sinkhorn com
 scores once and iterates on them (or, over a memory bound, makes a round -- row step, then column
 step -- one panel pass instead of two) (docs/BENCHMARKS.md).
 
+``attnlab/csrc/held_cpu.cpp``: ``held_attend(q, k, v, key_bias, row_bias, u, iters, scale, budget_bytes)``,
+DNAS / HNAS / Sinkhorn with each head's scores computed once and held (one score product, one
+exponential per score, one value product per head; attnlab/normalizers/kernel_paths.py,
+HELD_HEAD_BYTES), the first path of ``attend`` for these variants. ``attnlab/csrc/kernel_common.h``
+holds the helpers both files share.
+
 ``attnlab/csrc/analysis_cpu.cpp``: ``torch.ops.attnlab_hf.head``, one head of ``attnlab.hf``'s fused
 analysis (every variant's weights and every row sum the statistics need in one sweep over the rows;
 :func:`analysis_ops`, used by ``attnlab/hf/weights.py``).
@@ -45,7 +51,8 @@ import torch
 
 __all__ = ["cpu_ops", "analysis_ops", "build_error", "available"]
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("attnlab_cpu.cpp", "analysis_cpu.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name
+           for name in ("attnlab_cpu.cpp", "held_cpu.cpp", "analysis_cpu.cpp")]
 # -march=native: the kernels run where they are built. No -ffast-math: masked scores are -inf, so
 # only the flags that let sums and products be reordered and vectorized. -fopenmp: at::parallel_for
 # is OpenMP inside the extension too (without it the kernels run on one thread).

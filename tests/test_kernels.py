@@ -256,3 +256,63 @@ def test_sinkhorn_attend_equals_explicit_loop(dtype, iters):
     tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=1e-11, rtol=1e-11)
     torch.testing.assert_close(got, (w @ v[None])[0], **tol)
     assert torch.all(got[3] == 0) and torch.all(got[~row_ok] == 0)
+
+
+def _held_reference(q, k, v, key_ok, row_ok, variant, scale, **params):
+    """The materialized float64 normalizer @ v on (BH, M, N) problems with separable masks."""
+    mask = (row_ok[:, :, None] & key_ok[:, None, :])[None]  # (1, BH, M, N)
+    s = (q.double() @ k.double().transpose(1, 2) * scale)[None]
+    w = attnlab.attention_weights(s, variant, mask=mask, **params)
+    return (w @ v.double()[None])[0]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("variant", "iters"), [("dnas", 1), ("hnas", 1), ("sinkhorn", 2), ("sinkhorn", 5)])
+@pytest.mark.parametrize(("BH", "M", "N", "budget"), [(5, 300, 700, 0), (3, 37, 53, 2**30), (2, 1, 9, 2**30)])
+def test_held_attend_equals_float64_reference(dtype, variant, iters, BH, M, N, budget):
+    """held_attend (each head's scores held: one score product, one exponential per score) against the
+    float64 materialized variant, with invalid keys and queries, a (batch, head) with every key masked,
+    several row blocks per head (N = 700: 93 rows) and groups of one head (budget 0) or all heads."""
+    gen = torch.Generator().manual_seed(M * N + iters)
+    q = torch.randn(BH, M, 8, generator=gen, dtype=dtype)
+    k = torch.randn(BH, N, 8, generator=gen, dtype=dtype)
+    v = torch.randn(BH, N, 6, generator=gen, dtype=dtype)
+    key_ok = torch.rand(BH, N, generator=gen) > 0.25
+    key_ok[0, 0] = True
+    key_ok[-1] = False
+    row_ok = torch.rand(BH, M, generator=gen) > 0.2
+    row_ok[0, 0] = True
+    key_bias = torch.zeros(BH, N, dtype=dtype).masked_fill(~key_ok, -math.inf)
+    row_bias = torch.zeros(BH, M, dtype=dtype).masked_fill(~row_ok, -math.inf)
+    u = torch.linspace(0, 1, BH, dtype=dtype) if variant == "hnas" else None
+    params = {"u": u.view(1, BH, 1, 1).double()} if u is not None else {}
+    if variant == "sinkhorn":
+        params["iters"] = iters
+    got = ops.held_attend(q, k, v, key_bias, row_bias, u, iters, 0.35, budget)
+    ref = _held_reference(q, k, v, key_ok, row_ok, variant, 0.35, **params)
+    tol = dict(atol=3e-5, rtol=3e-5) if dtype == torch.float32 else dict(atol=1e-11, rtol=1e-11)
+    torch.testing.assert_close(got.double(), ref, **tol)
+    assert torch.all(got[-1] == 0) and torch.all(got[~row_ok] == 0)
+    everything = torch.ones(BH, N, dtype=torch.bool), torch.ones(BH, M, dtype=torch.bool)
+    got = ops.held_attend(q, k, v, None, None, u, iters, 0.35, budget)
+    ref = _held_reference(q, k, v, *everything, variant, 0.35, **params)
+    torch.testing.assert_close(got.double(), ref, **tol)
+
+
+@needs_kernels
+@pytest.mark.parametrize(("variant", "iters"), [("dnas", 1), ("hnas", 1), ("sinkhorn", 3)])
+def test_held_attend_underflow_rows_are_recomputed(variant, iters):
+    """Query 1 scores 0 with every key while query 0 scores 100: in float32 its DNAS (and UNAS, against
+    the block maximum) terms exp(-100) underflow, and the kernel redoes that row from its scores."""
+    gen = torch.Generator().manual_seed(5)
+    k = torch.cat([torch.ones(1, 40, 1), torch.randn(1, 40, 1, generator=gen)], -1)  # (1, 40, 2)
+    q = torch.tensor([[[100.0, 0.0], [0.0, 0.0], [30.0, 1.0]]])  # (1, 3, 2)
+    v = torch.randn(1, 40, 3, generator=gen)
+    u = torch.tensor([0.5]) if variant == "hnas" else None
+    params = {"u": 0.5} if variant == "hnas" else ({"iters": iters} if variant == "sinkhorn" else {})
+    got = ops.held_attend(q, k, v, None, None, u, iters, 1.0, 2**30)
+    ref = _held_reference(q, k, v, torch.ones(1, 40, dtype=torch.bool), torch.ones(1, 3, dtype=torch.bool),
+                          variant, 1.0, **params)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), ref, atol=2e-5, rtol=2e-5)

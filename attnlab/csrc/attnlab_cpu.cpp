@@ -16,122 +16,13 @@
 //   sinkhorn_attend(q, k, v, key_bias, row_bias, iters, scale): Sinkhorn attention output (BH, M, Dv)
 //       with each head's scores held once (see sinkhorn_heads_impl).
 //
-#include "vec_capability.h"
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <limits>
-#include <vector>
-
-extern "C" {
-void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
-            const int*, const float*, const int*, const float*, float*, const int*);
-void dgemm_(const char*, const char*, const int*, const int*, const int*, const double*, const double*,
-            const int*, const double*, const int*, const double*, double*, const int*);
-// MKL's per-thread thread count (C interface); weak, so a BLAS without it still links.
-int MKL_Set_Num_Threads_Local(int) __attribute__((weak));
-}
+#include "kernel_common.h"
 
 namespace {
-
-// BLAS inside a task runs on the task's thread: MKL would otherwise start its own threads under
-// at::parallel_for's, and two levels of threads on the same cores run ~3x slower.
-struct SerialBlas {
-  int previous = 0;
-  SerialBlas() {
-    if (MKL_Set_Num_Threads_Local) previous = MKL_Set_Num_Threads_Local(1);
-  }
-  ~SerialBlas() {
-    if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(previous);
-  }
-};
 
 constexpr int64_t kRowBlock = 64;     // rows of a score panel in col_lse
 constexpr int64_t kColBlock = 512;    // columns owned by one col_lse task
 constexpr int64_t kPanelElems = 1 << 17;  // mix_attend panel budget (rows * N), 512 KiB of float
-
-// Row-major C (m x n, ldc) = alpha * A (m x k, lda) * B^T (B: n x k, ldb) [+ beta C], via the
-// column-major BLAS: C^T = B A^T.
-inline void gemm_abt(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
-                     const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  const int M = (int)n, N = (int)m, K = (int)k, LDA = (int)ldb, LDB = (int)lda, LDC = (int)ldc;
-  sgemm_("T", "N", &M, &N, &K, &alpha, b, &LDA, a, &LDB, &beta, c, &LDC);
-}
-inline void gemm_abt(int64_t m, int64_t n, int64_t k, double alpha, const double* a, int64_t lda,
-                     const double* b, int64_t ldb, double beta, double* c, int64_t ldc) {
-  const int M = (int)n, N = (int)m, K = (int)k, LDA = (int)ldb, LDB = (int)lda, LDC = (int)ldc;
-  dgemm_("T", "N", &M, &N, &K, &alpha, b, &LDA, a, &LDB, &beta, c, &LDC);
-}
-// Row-major C (m x n) = A (m x k, lda) * B (k x n, ldb): C^T = B^T A^T.
-inline void gemm_ab(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
-                    int64_t ldb, float* c, int64_t ldc) {
-  const int M = (int)n, N = (int)m, K = (int)k, LDA = (int)ldb, LDB = (int)lda, LDC = (int)ldc;
-  const float one = 1.f, zero = 0.f;
-  sgemm_("N", "N", &M, &N, &K, &one, b, &LDA, a, &LDB, &zero, c, &LDC);
-}
-inline void gemm_ab(int64_t m, int64_t n, int64_t k, const double* a, int64_t lda, const double* b,
-                    int64_t ldb, double* c, int64_t ldc) {
-  const int M = (int)n, N = (int)m, K = (int)k, LDA = (int)ldb, LDB = (int)lda, LDC = (int)ldc;
-  const double one = 1.0, zero = 0.0;
-  dgemm_("N", "N", &M, &N, &K, &one, b, &LDA, a, &LDB, &zero, c, &LDC);
-}
-
-// exp(x) for x <= 0 (every argument here is shifted by a max), branch-free so the loops vectorize:
-// 2^n * 2^f with n = round(x log2 e), |f| <= 1/2, 2^f by a degree-6 polynomial (rel. error ~2e-7);
-// below -87 the result is 0, which also covers -inf.
-inline float exp_nonpos(float x) {
-  float t = x * 1.44269504088896341f;
-  t = t < -126.f ? -126.f : t;
-  const float n = __builtin_rintf(t);  // round to nearest
-  const float f = t - n;
-  float p = 1.5403530393381606e-4f;
-  p = p * f + 1.3333558146428443e-3f;
-  p = p * f + 9.6181291076284772e-3f;
-  p = p * f + 5.5504108664821580e-2f;
-  p = p * f + 2.4022650695910071e-1f;
-  p = p * f + 6.9314718055994531e-1f;
-  p = p * f + 1.0f;
-  int32_t bits;
-  std::memcpy(&bits, &p, 4);
-  bits += (int32_t)n << 23;
-  float r;
-  std::memcpy(&r, &bits, 4);
-  return x < -87.f ? 0.f : r;
-}
-inline double exp_nonpos(double x) { return std::exp(x); }
-
-// max_j x_j (-inf for n = 0), vectorized; no fast-math assumption that values are finite.
-template <typename T>
-inline T row_max(const T* x, int64_t n) {
-  using Vec = at::vec::Vectorized<T>;
-  return at::vec::reduce_all<T>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, x, n);
-}
-
-// x_j <- exp(x_j - max_k x_k) in place; returns 1 / sum_j of them, or 0 for a row with no finite
-// entry (every key masked), left as it was.
-template <typename T>
-inline T exp_row(T* x, int64_t n) {
-  const T m = row_max(x, n);
-  if (m == -std::numeric_limits<T>::infinity()) return T(0);
-  T l = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    const T e = exp_nonpos(x[j] - m);
-    x[j] = e;
-    l += e;
-  }
-  return T(1) / l;
-}
-
-// One Sinkhorn row step on a row x_j = s_ij - c_j (overwritten): acc_j += x_ij / l_i with
-// x_ij = exp(s_ij - c_j - m_i), l_i = sum_j x_ij (see sinkhorn_round_impl).
-template <typename T>
-inline void add_row_step(T* x, int64_t n, T* acc) {
-  const T inv = exp_row(x, n);
-  if (inv == T(0)) return;
-  for (int64_t j = 0; j < n; ++j) acc[j] += x[j] * inv;
-}
 
 template <typename T>
 void col_lse_impl(const T* a, const T* b, const T* rb, T* out, int64_t BH, int64_t M, int64_t N,
@@ -181,10 +72,6 @@ void col_lse_impl(const T* a, const T* b, const T* rb, T* out, int64_t BH, int64
     }
   });
 }
-
-// Floor under which sum_j x_j g_j is recomputed from the scores (see mix_attend_impl).
-template <typename T> constexpr T kTiny = T(1e-20);
-template <> constexpr double kTiny<double> = 1e-280;
 
 // One row block per task: s = scale q k^T + key_bias (rows x N) by BLAS; per row, with m the row
 // maximum, x_j = exp(s_j - m) and the per-key g_j = exp(dnas_bias_j - max dnas_bias):
@@ -390,20 +277,6 @@ void sinkhorn_heads_impl(const T* q, const T* k, const T* v, const T* kb, const 
       gemm_ab(M, Dv, N, s.data(), N, v + bh * sv_bh, sv_n, out + bh * M * Dv, Dv);
     }
   });
-}
-
-// An optional operand as a contiguous tensor of the kernel's dtype (undefined when absent), and its
-// data pointer (nullptr when absent).
-at::Tensor operand(const c10::optional<at::Tensor>& t, at::ScalarType dtype) {
-  return t.has_value() ? t->contiguous().to(dtype) : at::Tensor();
-}
-template <typename T>
-T* data_or_null(const at::Tensor& t) {
-  return t.defined() ? t.data_ptr<T>() : nullptr;
-}
-
-void check_3d(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1, name, " must be (BH, L, D) with a contiguous last dim");
 }
 
 at::Tensor col_lse(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& row_bias,

@@ -174,11 +174,21 @@ def _mixed_kernel(q, k, v, mask, scale, ctx):
     return out if rows is None else out.masked_fill(~rows, 0.0)
 
 
+def _held(q, k, v, mask, scale, u=None, iters=1):
+    """The held-scores kernel (kernels.held_attend) with invalid queries' rows zeroed, or None."""
+    out = kp.held_kernel(q, k, v, mask, scale, u, iters)
+    rows = _row_valid(mask)
+    return out if out is None or rows is None else out.masked_fill(~rows, 0.0)
+
+
 def fused_dnas(q, k, v, mask, scale, ctx):
     if ctx.causal:
         return _causal_dnas_blocked(q, k, v, mask, scale)
     if _small_with_grad(q, k, v, ctx):
         return _SmallDoublyNormalized.apply(q, k, v, 1.0, mask, scale, False)
+    out = _held(q, k, v, mask, scale)
+    if out is not None:
+        return out
     c = query_lse(q, k, mask, scale)  # (B, H, N)
     return _sdpa(q, k, v, mask, scale, key_bias=-c)
 
@@ -187,7 +197,9 @@ def fused_hnas(q, k, v, mask, scale, ctx):
     # Eq. (12) with V entering linearly: u * (pi_dnas V) + (1 - u) * (pi_unas V)
     if _small_with_grad(q, k, v, ctx):
         return _SmallDoublyNormalized.apply(q, k, v, as_weight(ctx.u, q), mask, scale, True)
-    out = _mixed_kernel(q, k, v, mask, scale, ctx)
+    out = None if ctx.causal else _held(q, k, v, mask, scale, u=ctx.u)
+    if out is None:
+        out = _mixed_kernel(q, k, v, mask, scale, ctx)
     if out is not None:
         return out
     out_unas = fused_unas(q, k, v, mask, scale, ctx)
@@ -197,7 +209,11 @@ def fused_hnas(q, k, v, mask, scale, ctx):
 def fused_sinkhorn(q, k, v, mask, scale, ctx):
     if ctx.causal or ctx.iters == 1:
         return fused_dnas(q, k, v, mask, scale, ctx)
-    out = kp.sinkhorn_heads_kernel(q, k, v, mask, scale, ctx)
+    out = None
+    if ctx.tol == 0 and ctx.iters <= kp.SINKHORN_KERNEL_ROUNDS:  # else round by round (tol, Ctrl-C)
+        out = _held(q, k, v, mask, scale, iters=ctx.iters)
+    if out is None:
+        out = kp.sinkhorn_heads_kernel(q, k, v, mask, scale, ctx)
     if out is not None:
         return out
     return _sdpa(q, k, v, mask, scale, key_bias=-potentials(q, k, mask, scale, ctx.iters, ctx.tol))

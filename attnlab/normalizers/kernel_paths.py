@@ -15,8 +15,12 @@ import torch
 
 from attnlab.normalizers.functions import NEG_INF
 
-# Sinkhorn without gradients on CPU holds one head's (M, N) scores per thread while it iterates when
-# that takes at most this many bytes in all (else it streams: one score product per half-step).
+# DNAS, HNAS and Sinkhorn without gradients on CPU hold a head's (M, N) scores (kernels.held_attend)
+# when one head takes at most this many bytes (S = 4096 float32: 64 MiB); a group of smaller heads
+# shares the buffer. Beyond it they stream (one score product per pass, a few MiB).
+HELD_HEAD_BYTES = 128 * 2**20
+# The older whole-head Sinkhorn kernel (one head per thread) within this many bytes in all; it runs
+# only where held_attend does not apply.
 SINKHORN_HEAD_BYTES = 256 * 2**20
 # The whole-head Sinkhorn kernel runs at most this many rounds in one call: longer runs (and runs with
 # a tolerance) go round by round, so that Ctrl-C and the tolerance are honoured between rounds.
@@ -144,4 +148,27 @@ def sinkhorn_heads_kernel(q, k, v, mask, scale, ctx):
     key_bias, row_bias = separable_biases(q, k, mask)
     out = ops.sinkhorn_attend(heads_flat(q), heads_flat(k), heads_flat(v), key_bias, row_bias, ctx.iters,
                               scale)
+    return out.view(B, H, M, v.shape[-1])
+
+
+def held_kernel(q, k, v, mask, scale, u=None, iters: int = 1):
+    """DNAS (u None, iters 1), HNAS (u, one weight per (batch, head) or a number) or Sinkhorn (iters
+    rounds) attention through kernels.held_attend: each head's scores computed once and held (one
+    score product, one exponential per score, one value product); None where it does not apply
+    (one head over HELD_HEAD_BYTES, u varying within a head, and the conditions of :func:`applies`)."""
+    if not applies(q, k, mask, needs_grad(q, k, v, u)):
+        return None
+    B, H, M, _ = q.shape
+    N = k.shape[-2]
+    if M * N * q.element_size() > HELD_HEAD_BYTES:
+        return None
+    weights = None if u is None else head_weights(u, q)
+    if u is not None and weights is None:
+        return None
+    ops = cpu_ops()
+    if ops is None:
+        return None
+    key_bias, row_bias = separable_biases(q, k, mask)
+    out = ops.held_attend(heads_flat(q), heads_flat(k), heads_flat(v), key_bias, row_bias, weights, iters,
+                          scale, HELD_HEAD_BYTES)
     return out.view(B, H, M, v.shape[-1])

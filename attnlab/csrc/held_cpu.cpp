@@ -1,0 +1,293 @@
+// attnlab CPU kernel: DNAS (Eq. 5), HNAS (Eq. 12) and Sinkhorn (Eq. 10) attention with each head's
+// scores computed once and held -- one score product, one exponential per score and one value
+// product per head, the floor of these variants (SDPA does the same work for UNAS).
+//
+//   held_attend(q, k, v, key_bias, row_bias, u, iters, scale, budget_bytes):  out (BH, M, Dv)
+//       q (BH, M, D), k (BH, N, D), v (BH, N, Dv) with contiguous last dims; key_bias (BH, N) and
+//       row_bias (BH, M) 0 / -inf (invalid keys and queries take no part) or absent; u (BH,) the
+//       HNAS weight (then iters must be 1) or absent (DNAS for iters = 1, Sinkhorn beyond). Rows of
+//       invalid queries and rows with no valid key give 0. A group of heads is held at a time in
+//       one buffer of at most budget_bytes (at least one head: the caller checks that M N fits).
+//
+// A head is cut into blocks of R rows (R N <= kHeldPanel elements). Per block b:
+//   phase 1 (scores): E_ij = exp(s_ij - m_bj), m_bj = max over the block's valid rows of s_ij, written
+//       over the scores, and the block's column sums z_bj = sum_i E_ij;
+//   the column potential c_j = logsumexp_i s_ij = log sum_b z_bj exp(m_bj - c*) + c*;
+//   Sinkhorn rounds: with F_bj = exp(m_bj - c_j - phi_b) (phi_b its block maximum, so F <= 1),
+//       E_ij F_bj = exp(s_ij - c_j - phi_b), so the row step is l_i = sum_j E_ij F_bj and the column
+//       mass sum_i pi_ij = sum_b F_bj sum_{i in b} E_ij / l_i: products only, no exponential per
+//       score; then c_j += log(mass_j) - log(M_valid / N_valid) (re-centred, no drift);
+//   last phase: pi_ij = E_ij F_bj / l_i (DNAS, Sinkhorn); HNAS mixes in UNAS's row with
+//       h_bj = exp(m_bj - max_j m_bj): pi = E_ij ((1 - u) h_bj / sum E h + u F_bj / sum E F);
+//       then out = pi v for the block by BLAS while pi is in cache.
+// Every factor is <= 1, so a row sum below kTiny means the row's mass sits far below its block's
+// maximum (float32: ~87 nats): that row is recomputed from its scores, exactly (rare).
+#include "kernel_common.h"
+
+#include <memory>
+
+namespace {
+
+// Elements of one row block (R * N): 1 MiB of float, in L2/L3. Measured at S = 2048 (CPU time, 2
+// threads): 2^15 / 2^16 / 2^17 / 2^18 elements gave DNAS 1.62 / 1.48 / 1.30 / 1.25x SDPA -- the BLAS
+// calls' packing of k and v is shared by more rows.
+constexpr int64_t kHeldPanel = 1 << 18;
+
+template <typename T>
+struct HeldProblem {
+  const T *q, *k, *v, *kb, *rb, *u;
+  T* out;
+  int64_t BH, M, N, D, Dv, sq_bh, sq_m, sk_bh, sk_n, sv_bh, sv_n, iters;
+  T scale;
+};
+
+// The scores of one query row, s_j + key_bias_j, into x (N).
+template <typename T>
+void row_scores(const HeldProblem<T>& p, int64_t bh, int64_t i, T* x) {
+  gemm_abt(1, p.N, p.D, p.scale, p.q + bh * p.sq_bh + i * p.sq_m, p.sq_m, p.k + bh * p.sk_bh, p.sk_n, T(0),
+           x, p.N);
+  if (p.kb) {
+    const T* kb = p.kb + bh * p.N;
+    for (int64_t j = 0; j < p.N; ++j) x[j] += kb[j];
+  }
+}
+
+// softmax_j(x_j - c_j) in place (c_j = -inf marks a column without valid entries); all 0 when no
+// entry is valid.
+template <typename T>
+void exact_row(T* x, const T* c, int64_t n) {
+  const T ninf = -std::numeric_limits<T>::infinity();
+  for (int64_t j = 0; j < n; ++j) x[j] = c[j] == ninf ? ninf : x[j] - c[j];
+  const T inv = exp_row(x, n);
+  for (int64_t j = 0; j < n; ++j) x[j] = inv == T(0) ? T(0) : x[j] * inv;
+}
+
+template <typename T>
+void held_impl(const HeldProblem<T>& p, int64_t budget_elems) {
+  const T ninf = -std::numeric_limits<T>::infinity();
+  const int64_t M = p.M, N = p.N;
+  const int64_t R = std::max<int64_t>(1, std::min<int64_t>(256, kHeldPanel / N));
+  const int64_t nb = (M + R - 1) / R;
+  const int64_t head = M * N;
+  const int64_t threads = at::get_num_threads();
+  // heads held at once: within the budget, and no more than give every thread a few blocks (the
+  // fewer, the more of the group stays in the last-level cache)
+  int64_t G = std::max<int64_t>(1, std::min<int64_t>(p.BH, budget_elems / std::max<int64_t>(head, 1)));
+  G = std::min<int64_t>(G, std::max<int64_t>(1, (4 * threads + nb - 1) / nb));
+  std::unique_ptr<T[]> held(new T[G * head]);  // not zeroed: phase 1 writes every valid row
+  std::vector<T> bmax(G * nb * N), bsum(G * nb * N), c(G * N), phi(G * nb), recentre(G);
+  std::vector<char> row_ok(G * M);
+
+  // F_bj = exp(m_bj - c_j - phi_b) into f (N); returns phi_b, or -inf when the block has no valid entry
+  auto column_factors = [&](int64_t h, int64_t blk, T* f) {
+    const T* m = bmax.data() + (h * nb + blk) * N;
+    const T* cp = c.data() + h * N;
+    T ph = ninf;
+    for (int64_t j = 0; j < N; ++j) {
+      const T d = m[j] == ninf ? ninf : m[j] - cp[j];
+      f[j] = d;
+      ph = d > ph ? d : ph;
+    }
+    if (ph == ninf) return ph;
+    for (int64_t j = 0; j < N; ++j) f[j] = exp_nonpos(f[j] - ph);  // exp(-inf) = 0
+    return ph;
+  };
+
+  for (int64_t g0 = 0; g0 < p.BH; g0 += G) {
+    const int64_t gh = std::min(G, p.BH - g0);
+    // phase 1: scores, block column maxima, E = exp(s - m), block column sums
+    at::parallel_for(0, gh * nb, 1, [&](int64_t begin, int64_t end) {
+      SerialBlas serial;
+      std::vector<T> safe(N);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t h = task / nb, blk = task % nb, bh = g0 + h, i0 = blk * R;
+        const int64_t ni = std::min(R, M - i0);
+        T* e = held.get() + h * head + i0 * N;
+        gemm_abt(ni, N, p.D, p.scale, p.q + bh * p.sq_bh + i0 * p.sq_m, p.sq_m, p.k + bh * p.sk_bh, p.sk_n,
+                 T(0), e, N);
+        T* m = bmax.data() + (h * nb + blk) * N;
+        T* z = bsum.data() + (h * nb + blk) * N;
+        std::fill(m, m + N, ninf);
+        std::fill(z, z + N, T(0));
+        const T* kb = p.kb ? p.kb + bh * N : nullptr;
+        for (int64_t i = 0; i < ni; ++i) {
+          T* row = e + i * N;
+          const bool ok = !(p.rb && p.rb[bh * M + i0 + i] == ninf);
+          row_ok[h * M + i0 + i] = ok;
+          if (kb) for (int64_t j = 0; j < N; ++j) row[j] += kb[j];
+          if (!ok) continue;
+          for (int64_t j = 0; j < N; ++j) m[j] = row[j] > m[j] ? row[j] : m[j];
+        }
+        for (int64_t j = 0; j < N; ++j) safe[j] = m[j] == ninf ? T(0) : m[j];
+        for (int64_t i = 0; i < ni; ++i) {
+          if (!row_ok[h * M + i0 + i]) continue;
+          T* row = e + i * N;
+          const T* sp = safe.data();
+          for (int64_t j = 0; j < N; ++j) {
+            const T x = exp_nonpos(row[j] - sp[j]);
+            row[j] = x;
+            z[j] += x;
+          }
+        }
+      }
+    });
+    // c_j = logsumexp over the blocks; the re-centring constant log(M_valid / N_valid) per head
+    at::parallel_for(0, gh, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t h = begin; h < end; ++h) {
+        for (int64_t j = 0; j < N; ++j) {
+          T cm = ninf;
+          for (int64_t b = 0; b < nb; ++b) cm = std::max(cm, bmax[(h * nb + b) * N + j]);
+          T total = 0;
+          if (cm != ninf)
+            for (int64_t b = 0; b < nb; ++b)
+              total += bsum[(h * nb + b) * N + j] * exp_nonpos(bmax[(h * nb + b) * N + j] - cm);
+          c[h * N + j] = cm == ninf ? ninf : cm + std::log(total);
+        }
+        int64_t m_valid = 0, n_valid = 0;
+        for (int64_t i = 0; i < M; ++i) m_valid += row_ok[h * M + i] ? 1 : 0;
+        const T* kb = p.kb ? p.kb + (g0 + h) * N : nullptr;
+        for (int64_t j = 0; j < N; ++j) n_valid += (kb && kb[j] == ninf) ? 0 : 1;
+        recentre[h] = (m_valid > 0 && n_valid > 0) ? std::log(T(m_valid) / T(n_valid)) : T(0);
+      }
+    });
+    // Sinkhorn rounds: row step, then column step, in products on the held E
+    for (int64_t round = 1; round < p.iters; ++round) {
+      at::parallel_for(0, gh * nb, 1, [&](int64_t begin, int64_t end) {
+        SerialBlas serial;
+        std::vector<T> f(N), acc(N), x(N);
+        for (int64_t task = begin; task < end; ++task) {
+          const int64_t h = task / nb, blk = task % nb, bh = g0 + h, i0 = blk * R;
+          const int64_t ni = std::min(R, M - i0);
+          T* mass = bsum.data() + (h * nb + blk) * N;  // this block's column mass, sum_{i in b} pi_ij
+          std::fill(mass, mass + N, T(0));
+          if (column_factors(h, blk, f.data()) == ninf) continue;
+          std::fill(acc.begin(), acc.end(), T(0));
+          for (int64_t i = 0; i < ni; ++i) {
+            if (!row_ok[h * M + i0 + i]) continue;
+            const T* e = held.get() + h * head + (i0 + i) * N;
+            const T* fp = f.data();
+            T l = 0;
+            for (int64_t j = 0; j < N; ++j) l += e[j] * fp[j];
+            if (l > kTiny<T>) {
+              const T inv = T(1) / l;
+              T* a = acc.data();
+              for (int64_t j = 0; j < N; ++j) a[j] += e[j] * inv;
+              continue;
+            }
+            row_scores(p, bh, i0 + i, x.data());  // rare: this row from its scores, exactly
+            exact_row(x.data(), c.data() + h * N, N);
+            for (int64_t j = 0; j < N; ++j) mass[j] += x[j];
+          }
+          for (int64_t j = 0; j < N; ++j) mass[j] += f[j] * acc[j];
+        }
+      });
+      at::parallel_for(0, gh * N, 1024, [&](int64_t begin, int64_t end) {
+        for (int64_t idx = begin; idx < end; ++idx) {
+          const int64_t h = idx / N, j = idx % N;
+          T total = 0;
+          for (int64_t b = 0; b < nb; ++b) total += bsum[(h * nb + b) * N + j];
+          c[idx] = total > T(0) ? c[idx] + std::log(total) - recentre[h] : ninf;
+        }
+      });
+    }
+    // last phase: the rows (DNAS / Sinkhorn, or HNAS's mix), then out = pi v per block
+    at::parallel_for(0, gh * nb, 1, [&](int64_t begin, int64_t end) {
+      SerialBlas serial;
+      std::vector<T> f(N), hu(N), x(N), y(N), w(R * N);  // w: the block's weights, in L2
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t h = task / nb, blk = task % nb, bh = g0 + h, i0 = blk * R;
+        const int64_t ni = std::min(R, M - i0);
+        const T* e = held.get() + h * head + i0 * N;  // read only: no write-back of the held buffer
+        T* o = p.out + (bh * M + i0) * p.Dv;
+        if (column_factors(h, blk, f.data()) == ninf) {  // no valid entry in the block: zero rows
+          std::fill(o, o + ni * p.Dv, T(0));
+          continue;
+        }
+        const T uu = p.u ? p.u[bh] : T(1);
+        if (p.u) {
+          const T* m = bmax.data() + (h * nb + blk) * N;
+          const T mb = row_max(m, N);
+          for (int64_t j = 0; j < N; ++j) hu[j] = exp_nonpos(m[j] - mb);  // m = -inf: 0
+        }
+        const T* cp = c.data() + h * N;
+        for (int64_t i = 0; i < ni; ++i) {
+          const T* row = e + i * N;
+          T* wr = w.data() + i * N;
+          if (!row_ok[h * M + i0 + i]) {
+            std::fill(wr, wr + N, T(0));
+            continue;
+          }
+          const T* fp = f.data();
+          const T* hp = hu.data();
+          T td = 0, tu = 0;
+          if (p.u) {
+            for (int64_t j = 0; j < N; ++j) {
+              td += row[j] * fp[j];
+              tu += row[j] * hp[j];
+            }
+          } else {
+            for (int64_t j = 0; j < N; ++j) td += row[j] * fp[j];
+          }
+          const bool ok_d = uu == T(0) || td > kTiny<T>;
+          const bool ok_u = !p.u || uu == T(1) || tu > kTiny<T>;
+          if (ok_d && ok_u) {
+            const T a2 = uu == T(0) ? T(0) : uu / td;
+            if (!p.u) {
+              for (int64_t j = 0; j < N; ++j) wr[j] = row[j] * (a2 * fp[j]);
+            } else {
+              const T a1 = uu == T(1) ? T(0) : (T(1) - uu) / tu;
+              for (int64_t j = 0; j < N; ++j) wr[j] = row[j] * (a1 * hp[j] + a2 * fp[j]);
+            }
+            continue;
+          }
+          // rare: the row from its scores, exactly: softmax_j(s - c) and, for HNAS, softmax_j(s)
+          row_scores(p, bh, i0 + i, x.data());
+          std::copy(x.begin(), x.end(), y.begin());
+          exact_row(x.data(), cp, N);
+          if (!p.u) {
+            std::copy(x.begin(), x.end(), wr);
+            continue;
+          }
+          const T inv = exp_row(y.data(), N);
+          for (int64_t j = 0; j < N; ++j) wr[j] = uu * x[j] + (inv == T(0) ? T(0) : (T(1) - uu) * y[j] * inv);
+        }
+        gemm_ab(ni, p.Dv, N, w.data(), N, p.v + bh * p.sv_bh, p.sv_n, o, p.Dv);
+      }
+    });
+  }
+}
+
+at::Tensor held_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const c10::optional<at::Tensor>& key_bias, const c10::optional<at::Tensor>& row_bias,
+                       const c10::optional<at::Tensor>& u, int64_t iters, double scale, int64_t budget_bytes) {
+  check_3d(q, "q");
+  check_3d(k, "k");
+  check_3d(v, "v");
+  TORCH_CHECK(iters >= 1, "iters must be >= 1");
+  TORCH_CHECK(!u.has_value() || iters == 1, "u (HNAS) needs iters = 1");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(),
+              "q, k, v must have one dtype");
+  const int64_t BH = q.size(0), M = q.size(1), N = k.size(1), D = q.size(2), Dv = v.size(2);
+  TORCH_CHECK(k.size(0) == BH && v.size(0) == BH && v.size(1) == N && k.size(2) == D, "shapes of q, k, v differ");
+  auto out = at::empty({BH, M, Dv}, q.options());
+  if (BH == 0 || M == 0 || N == 0) return out.zero_();
+  const at::Tensor kb = operand(key_bias, q.scalar_type()), rb = operand(row_bias, q.scalar_type()),
+                   uu = operand(u, q.scalar_type());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "held_attend", [&] {
+    HeldProblem<scalar_t> p{q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
+                            data_or_null<scalar_t>(kb), data_or_null<scalar_t>(rb), data_or_null<scalar_t>(uu),
+                            out.data_ptr<scalar_t>(), BH, M, N, D, Dv, q.stride(0), q.stride(1), k.stride(0),
+                            k.stride(1), v.stride(0), v.stride(1), iters, (scalar_t)scale};
+    held_impl<scalar_t>(p, budget_bytes / (int64_t)sizeof(scalar_t));
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(attnlab, m) {
+  m.def("held_attend(Tensor q, Tensor k, Tensor v, Tensor? key_bias, Tensor? row_bias, Tensor? u, int iters, "
+        "float scale, int budget_bytes) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(attnlab, CPU, m) { m.impl("held_attend", &held_attend); }

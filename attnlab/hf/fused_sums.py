@@ -1,0 +1,291 @@
+"""The fused analysis of one unmasked window on the CPU: every variant's weights and, computed while
+each head is in cache, the row sums of ``attnlab.stats._row_sums`` for the tidy table
+(:func:`variants_with_sums`; the row pass in attnlab's CPU kernel ``attnlab_hf.head`` when built).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from attnlab import stats
+from attnlab.hf.layers import LINEAR_SPAN_MAX, _check_kernel_variants, _variants_unmasked
+from attnlab.hf.pool import _POOL
+
+LN2 = math.log(2.0)
+
+# Worker threads of the fused path (None: torch's thread count), each running torch with one thread.
+_WORKERS = None
+
+
+# Rows per block of the PyTorch row pass: a block's weights are read back while they are still in the
+# core's L2 cache.
+_BLOCK_ROWS = 128
+
+
+@dataclass
+class _FusedBuffers:
+    """Per-map (L*H) products of the fused path, filled head by head, turned into row sums at the end.
+
+    E is exp(scores - their row maxima) of a head; each variant is a diagonal scaling
+    pi = diag(alpha) E diag(beta) (unas: beta = 1; dnas: alpha_d, beta_d; sinkhorn: a, b). Index c of
+    the (L*H, 3, ...) buffers is unas, dnas, sinkhorn.
+    """
+
+    alpha: torch.Tensor  # (LH, 3, N) row factors
+    beta: torch.Tensor  # (LH, 3, N) column factors (1 for unas)
+    cols: torch.Tensor  # (LH, 3, N) alpha^T E (column masses before the column factor)
+    dn_rows: torch.Tensor  # (LH, N, 3 + 2S) E @ [1, beta_d, beta_d ln beta_d, special, beta_d special]
+    sk_rows: torch.Tensor  # (LH, N, 2 + S) E @ [b, b ln b, b special] (sinkhorn, iters >= 2)
+    rows: torch.Tensor  # (LH, N, ROW_SUMS) the row pass' sums, columns as in ROW_SUMS
+
+    @classmethod
+    def new(cls, LH: int, N: int, S: int, like: torch.Tensor) -> _FusedBuffers:
+        z = lambda *shape: like.new_zeros(*shape)  # noqa: E731
+        return cls(alpha=z(LH, 3, N), beta=like.new_ones(LH, 3, N), cols=z(LH, 3, N),
+                   dn_rows=z(LH, N, 3 + 2 * S), sk_rows=z(LH, N, 2 + S), rows=z(LH, N, len(ROW_SUMS)))
+
+
+# Columns of the row pass' sums (attnlab/csrc/analysis_cpu.cpp computes the same): with E and s as
+# in _FusedBuffers, beta_c the column factor of c = unas, dnas, sinkhorn, h the hnas weights, and
+# twice the Jensen-Shannon divergence (nats) of each row of v = dnas, hnas, sinkhorn to unas
+# (``attnlab.stats._js2_rowsum``).
+ROW_SUMS = (
+    "es_unas", "es_dnas", "es_sinkhorn",  # sum_j E_ij s_ij beta_cj
+    "ed_unas", "ed_dnas", "ed_sinkhorn",  # sum_j E_ij |i - j| beta_cj
+    "h_xlogx",  # sum_j h_ij ln h_ij (0 ln 0 = 0)
+    "js2_dnas", "js2_hnas", "js2_sinkhorn",  # 2 JSD(v, unas) per row, nats
+)
+
+
+_COL = {name: i for i, name in enumerate(ROW_SUMS)}
+
+
+def variants_with_sums(q, k, scale, variants, u, iters, specials, use_kernel: bool = True):
+    """Weights of every variant (like :func:`_variants_unmasked`, B = 1) and, computed while each
+    head's matrices are in cache, the row sums of ``attnlab.stats._row_sums`` for the tidy table.
+
+    For heads whose scores span at most ``LINEAR_SPAN_MAX`` every variant is a diagonal scaling of one
+    matrix E_ij = exp(s_ij - max_j s_ij): unas = diag(alpha_u) E, dnas = diag(alpha_d) E diag(beta_d),
+    sinkhorn = diag(a) E diag(b), hnas = lerp(unas, dnas, u). Sinkhorn's first round is DNAS's, and
+    DNAS's row factors give unas' and dnas' column masses and Sinkhorn's next column step in one
+    product. Column masses, row sums, distances, special-token masses and unas/dnas/sinkhorn row
+    entropies (ln pi_ij = ln alpha_i + s_ij - max_j s_ij + ln beta_j) then come from a few products of
+    E, E * (s - max) and E * |i - j| with the factors, assembled for all heads at once at the end
+    (:func:`_assemble_sums`); only the hnas entropy and the Jensen-Shannon divergences to unas take
+    logarithms of the weights. Heads with wider scores take :func:`_variants_unmasked` and
+    ``_row_sums`` on the weights. One head at a time per worker thread, so that its scores and
+    exponentials stay in the core's cache; the pass over its rows that writes the weights and takes
+    their sums is one sweep in attnlab's CPU kernel ``attnlab_hf.head`` (:mod:`attnlab.kernels`) when
+    it is built, else PyTorch operations on blocks of rows (:func:`_rows_torch`, the same results).
+
+    q, k: (L, 1, H, N, D); specials: list of S bool (N,) key masks. Returns ({variant: (L, 1, H, N, N)},
+    {variant: row sums over L*H maps}); ``js`` (to unas) when unas is among the variants.
+    """
+    from attnlab import kernels  # (not at import: importing attnlab builds nothing)
+
+    _check_kernel_variants(variants)
+    L, B, H, N, _ = q.shape
+    assert B == 1
+    LH = L * H
+    ref = "unas" if "unas" in variants else None
+    out = {v: _POOL.empty((L, B, H, N, N)) for v in variants}
+    spec = torch.stack([m.to(q.dtype) for m in specials], -1) if specials else q.new_zeros(N, 0)  # (N, S)
+    S = spec.shape[-1]
+    dist = stats._distance_matrix(N, N, q)  # (N, N) |i - j|
+    u_maps = (q.new_full((LH,), u) if isinstance(u, float) else u.to(q.dtype).reshape(L, H).reshape(LH))
+    js_variants = [v for v in variants if ref is not None and v != ref]
+    clamp_hnas = bool((u_maps > 1.0 - 1e-6).any())  # hnas = dnas may underflow to 0: 0 ln 0 = 0
+    buf = _FusedBuffers.new(LH, N, S, q)
+    fallback = []  # (row, {variant: row sums}) of wide heads
+    # |s_ij| <= scale |q_i| |k_j|: heads whose bound on the score span is small skip the exact check
+    norms = (q.norm(dim=-1).amax(-1) * k.norm(dim=-1).amax(-1))[:, 0]  # (L, H)
+    span_bound = (2.0 * norms * torch.tensor(scale, dtype=q.dtype)[:, None]).reshape(LH).tolist()
+    # maps, taken one at a time by the workers; those that may be wide first (a wide head costs several
+    # linear ones: started last, it would leave the other workers idle at the end)
+    queue = sorted(range(LH), key=lambda row: -span_bound[row])
+    kernel = kernels.analysis_ops() if use_kernel else None
+    spec_t = spec.t().contiguous()  # (S, N)
+    settings = _HeadSettings(variants, iters, spec, dist, js_variants, clamp_hnas)
+
+    def work(threads: int | None) -> None:
+        """Take heads from the queue until it is empty (``threads``: this worker's torch threads)."""
+        if threads is not None:
+            torch.set_num_threads(threads)
+        R = min(N, _BLOCK_ROWS)
+        scratch = [q.new_empty(N, N), q.new_empty(N, N), q.new_empty(4, R, N)]
+        while True:
+            try:
+                row = queue.pop(0)  # atomic under the GIL
+            except IndexError:
+                return
+            layer, h = divmod(row, H)
+            views = {v: out[v][layer, 0, h] for v in variants}
+            ql, kl, u_h = q[layer, 0, h], k[layer, 0, h], float(u_maps[row])
+            check_span = span_bound[row] > LINEAR_SPAN_MAX
+            if kernel is not None:  # the whole head in the CPU kernel (attnlab/csrc/analysis_cpu.cpp)
+                js = settings.js_variants
+                if kernel.head(ql, kl, scale[layer], spec_t, iters, check_span, u_h,
+                               *(views.get(v) for v in ("unas", "dnas", "hnas", "sinkhorn")), *scratch[:2],
+                               buf.alpha[row], buf.beta[row], buf.cols[row], buf.dn_rows[row],
+                               buf.sk_rows[row], buf.rows[row], "dnas" in js, "hnas" in js, "sinkhorn" in js):
+                    continue
+            else:
+                s = scratch[0]
+                torch.addmm(s, ql, kl.t(), beta=0.0, alpha=scale[layer], out=s)
+                mu = s.amax(-1, keepdim=True)  # (N, 1) row maxima
+                gmax = mu.max()
+                if not (check_span and float(gmax - s.min()) > LINEAR_SPAN_MAX):
+                    s.sub_(mu)  # s_ij - max_j s_ij in [-LINEAR_SPAN_MAX, 0]
+                    rho = mu.sub_(gmax).exp_()  # (N, 1): exp(s - max over the head) = rho_i exp(s_ij - mu_i)
+                    _head_linear(*scratch, rho, views, buf, row, u_h, settings)
+                    continue
+            wide = _wide_head(q, k, scale, u, layer, h, views, variants, iters, spec, dist, ref)
+            fallback.append((row, wide))
+
+    workers = _WORKERS if _WORKERS is not None else torch.get_num_threads()
+    if workers <= 1:
+        work(None)
+    else:  # one torch thread per worker: no per-operation barrier, idle workers take more heads
+        import concurrent.futures
+
+        previous = torch.get_num_threads()
+        try:
+            with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+                for f in [pool.submit(work, 1) for _ in range(workers)]:
+                    f.result()
+        finally:
+            torch.set_num_threads(previous)
+    raw = _assemble_sums(buf, variants, ref, u_maps, iters, S)
+    for row, sums in fallback:
+        for v, r in sums.items():
+            for key, t in r.items():
+                if t is not None:
+                    raw[v][key][row] = t
+    return out, raw
+
+
+@dataclass(frozen=True)
+class _HeadSettings:
+    """What :func:`_head_linear` needs besides the head's data (the same for every head)."""
+
+    variants: tuple[str, ...]
+    iters: int
+    spec: torch.Tensor  # (N, S) special-key masks as floats
+    dist: torch.Tensor  # (N, N) |i - j|
+    js_variants: list[str]  # variants whose JS distance to unas is computed
+    clamp_hnas: bool
+
+
+def _wide_head(q, k, scale, u, layer, h, views, variants, iters, spec, dist, ref) -> dict:
+    """One head with widely spread scores: weights by :func:`_variants_unmasked` (log space), row sums
+    from those weights (``attnlab.stats._row_sums``)."""
+    u_w = u if isinstance(u, float) else u[layer : layer + 1, :, h : h + 1]
+    part = _variants_unmasked(q[layer : layer + 1, :, h : h + 1], k[layer : layer + 1, :, h : h + 1],
+                              [scale[layer]], variants, u_w, iters)
+    sums = {}
+    for v in sorted(variants, key=lambda n: n != ref):
+        views[v].copy_(part[v][0, 0, 0])
+        sums[v] = stats._row_sums(views[v][None], spec, dist, None if ref is None or v == ref else views[ref])
+    return {v: {key: None if t is None else t[0] for key, t in r.items()} for v, r in sums.items()}
+
+
+def _head_linear(s, e, blocks, rho, views, buf: _FusedBuffers, row: int, u: float, cfg: _HeadSettings):
+    """Weights of one head from its scores less their row maxima s (N, N) (in [-LINEAR_SPAN_MAX, 0]; rho
+    (N, 1) = exp(row max - head max); e (N, N) and blocks (4, R, N) are scratch), and its products into
+    ``buf`` row ``row``. Eq. numbers of "Attention that does not Explain Away": unas (1), dnas (5), sinkhorn
+    (10), hnas (12)."""
+    torch.exp(s, out=e)  # E_ij = exp(s_ij - max_j s_ij)
+    alpha, beta = buf.alpha[row], buf.beta[row]  # (3, N) each
+    b_d = beta[1]
+    torch.mm(rho.t(), e, out=b_d[None]).reciprocal_()  # dnas column step: 1 / sum_i rho_i E_ij
+    col = b_d[:, None]  # (N, 1)
+    w = torch.cat([beta[0, :, None], col, col * col.log(), cfg.spec, col * cfg.spec], 1)  # (N, 3 + 2S)
+    dn = buf.dn_rows[row]  # (N, 3 + 2S)
+    torch.mm(e, w, out=dn)  # r_i = sum_j E_ij, R_i = sum_j E_ij beta_j, ...
+    torch.reciprocal(dn[:, :2].t(), out=alpha[:2])  # alpha_u = 1 / r, alpha_d = 1 / R (dnas row step)
+    torch.mm(alpha[:2], e, out=buf.cols[row, :2])  # unas column masses; dnas' before beta_d
+    if "sinkhorn" in views and cfg.iters > 1:
+        b = buf.cols[row, 1].reciprocal()  # Sinkhorn's second column step (its first round is dnas)
+        for _ in range(cfg.iters - 2):
+            a = torch.mv(e, b).reciprocal_()  # row step
+            b = torch.mv(e.t(), a).reciprocal_()  # column step
+        beta[2] = b
+        sk = buf.sk_rows[row]  # (N, 2 + S)
+        torch.mm(e, torch.cat([b[:, None], (b * b.log())[:, None], b[:, None] * cfg.spec], 1), out=sk)
+        torch.reciprocal(sk[:, 0], out=alpha[2])  # the last row step normalizes the rows
+        torch.mv(e.t(), alpha[2], out=buf.cols[row, 2])
+    else:  # sinkhorn with one round is dnas
+        alpha[2], beta[2], buf.cols[row, 2] = alpha[1], b_d, buf.cols[row, 1]
+    _rows_torch(s, e, blocks, views, buf.rows[row], alpha, beta, u, cfg)
+
+
+def _rows_torch(s, e, blocks, views, sums, alpha, beta, u: float, cfg: _HeadSettings) -> None:
+    """The row pass of :func:`_head_linear` with PyTorch operations: the weights, and the sums of
+    ``ROW_SUMS`` into ``sums`` (N, len(ROW_SUMS)), a block of rows at a time (kept in L2 cache)."""
+    factors = beta.t()  # (N, 3)
+    N, R = e.shape[0], blocks.shape[1]
+    pu_v, pd_v, ph_v, ps_v = (views.get(v) for v in ("unas", "dnas", "hnas", "sinkhorn"))
+    for i0 in range(0, N, R):
+        rows = slice(i0, min(i0 + R, N))
+        x, y, tu, td = blocks[:, : rows.stop - i0]
+        eb, out = e[rows], sums[rows]
+        # products for the entropies and distances of unas, dnas, sinkhorn
+        torch.mm(torch.mul(eb, s[rows], out=x), factors, out=out[:, 0:3])
+        torch.mm(torch.mul(eb, cfg.dist[rows], out=x), factors, out=out[:, 3:6])
+        pu = pu_v[rows] if pu_v is not None else (tu if ph_v is not None else None)
+        if pu is not None:
+            torch.mul(eb, alpha[0, rows, None], out=pu)
+        pd = pd_v[rows] if pd_v is not None else (td if ph_v is not None else None)
+        if pd is not None:
+            torch.mul(eb, beta[1], out=pd).mul_(alpha[1, rows, None])
+        if ps_v is not None:
+            torch.mul(eb, beta[2], out=ps_v[rows]).mul_(alpha[2, rows, None])
+        if ph_v is not None:  # and sum_j x ln x of the hnas weights
+            ph = torch.lerp(pu, pd, u, out=ph_v[rows])
+            t = torch.log(ph, out=x)
+            if cfg.clamp_hnas:
+                t.clamp_min_(math.log(torch.finfo(ph.dtype).tiny))
+            torch.sum(t.mul_(ph), -1, out=out[:, _COL["h_xlogx"]])
+        for v in cfg.js_variants:  # 2 JSD(v, unas) per row (every weight > 0 in a linear head)
+            stats._js2_rowsum(views[v][rows], pu, x, y, out=out[:, _COL["js2_" + v]], positive=True)
+
+
+def _assemble_sums(buf: _FusedBuffers, variants, ref, u_maps, iters, S) -> dict:
+    """Row sums of every variant (``attnlab.stats._row_sums`` layout) from the products in ``buf``,
+    for all maps at once: pi = alpha_i E_ij beta_j, so sum_j pi ln pi = ln alpha_i sum_j pi
+    + alpha_i sum_j E_ij (s_ij - max) beta_j + alpha_i sum_j E_ij beta_j ln beta_j."""
+    dn, sk = buf.dn_rows, buf.sk_rows
+    if iters == 1:  # sinkhorn = dnas
+        sk = torch.cat([dn[..., 1:3], dn[..., 3 + S :]], -1)
+    rows = {  # (sum_j E beta, sum_j E beta ln beta or None, sum_j E beta special)
+        "unas": (dn[..., 0], None, dn[..., 3 : 3 + S]),
+        "dnas": (dn[..., 1], dn[..., 2], dn[..., 3 + S :]),
+        "sinkhorn": (sk[..., 0], sk[..., 1], sk[..., 2:]),
+    }
+    fact = {}
+    for c, v in enumerate(("unas", "dnas", "sinkhorn")):
+        al = buf.alpha[:, c]  # (LH, N)
+        e_beta, e_blogb, e_spec = rows[v]
+        rowsum = al * e_beta
+        xlogx = al.log() * rowsum + al * buf.rows[..., _COL["es_" + v]]
+        if e_blogb is not None:
+            xlogx += al * e_blogb
+        fact[v] = {
+            "cols": buf.cols[:, c] * buf.beta[:, c], "rowsum": rowsum, "entropy": xlogx.neg_(),
+            "distance": al * buf.rows[..., _COL["ed_" + v]], "special": al[..., None] * e_spec,
+        }
+    if "hnas" in variants:
+        w = u_maps[:, None]
+        fact["hnas"] = {
+            key: torch.lerp(fact["unas"][key], fact["dnas"][key], w if key != "special" else w[..., None])
+            for key in ("cols", "rowsum", "distance", "special")
+        }
+        fact["hnas"]["entropy"] = -buf.rows[..., _COL["h_xlogx"]]
+    raw = {v: dict(fact[v], js=None) for v in variants}
+    for v in variants:
+        if ref is not None and v != ref:  # JSD in bits = (2 JSD in nats) / (2 ln 2); distance = sqrt
+            raw[v]["js"] = (buf.rows[..., _COL["js2_" + v]] / (2.0 * LN2)).clamp_(0.0, 1.0).sqrt_()
+    return raw
