@@ -204,8 +204,9 @@ def test_inspect_gam_checkpoint_shows_phi_theta_and_combined(app_env):
     variant = at.segmented_control(key="inspect_variant").value
     layer, head = at.slider(key="inspect_layer").value, at.slider(key="inspect_head").value
     checkpoint = Path(APP).parents[1] / "checkpoints" / "enc-gam"
+    iters = next((w.value for w in at.slider if w.key == "inspect_sinkhorn_iters"), None)  # if shown
     expected = hf.analyze(at.text_area(key="inspect_text").value, checkpoint, variants=(variant,),
-                          iters=at.slider(key="inspect_iters").value)
+                          iters=iters)
     np.testing.assert_allclose(z_of(figs["inspect_gam_theta"]),
                                expected.components[variant]["theta"][layer, head].numpy(), atol=1e-6)
     np.testing.assert_allclose(z_of(figs["inspect_gam_combined"]), z_of(figs["inspect_heatmap"]), atol=1e-6)
