@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from attnlab import stats
-from attnlab.stats._checks import check_eps
+from attnlab.stats import check_eps
 
 __all__ = [
     "CONTRIBUTION_STATISTICS",

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from attnlab.stats._checks import check_weights
+from attnlab.stats import check_weights
 
 __all__ = ["CAPACITY_SCALE", "MAX_FLOW_WORK", "flow_work", "flow_capacities", "attention_flow"]
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from attnlab import stats
-from attnlab.stats._checks import check_eps, check_weights
+from attnlab.stats import check_eps, check_weights
 
 __all__ = [
     "SINK_CHOICES",

@@ -18,6 +18,7 @@ from itertools import islice
 
 import torch
 
+from attnlab import stats
 from attnlab.hf import contribution_view
 from attnlab.hf.interface import DEFAULT_U
 from attnlab.hf.loading import LoadedModel, ModelInfo, model_on
@@ -122,9 +123,8 @@ class WindowResult:
             cached = self._cached_sums(special, kwargs.get("reference", "unas"))
         if cached is not None:
             sums, index = cached
-            w = next(iter(self.weights.values()))
-            return contribution_view.with_contributions(self, kwargs, stats._tidy_from_row_sums(
-                sums, tuple(w.shape), special_index=index, u=kwargs["u"], eps=kwargs.get("eps", 0.01),
+            return contribution_view.with_contributions(self, kwargs, stats.table_from_row_sums(
+                sums, special_index=index, u=kwargs["u"], eps=kwargs.get("eps", 0.01),
                 eps_relative=kwargs.get("eps_relative", 0.1), reference=kwargs.get("reference", "unas"),
                 window=self.index,
             ))
@@ -146,6 +146,8 @@ class WindowResult:
 
 
 def _fingerprint(weights: dict[str, torch.Tensor]) -> tuple:
+    """Which weight tensors (and versions) the row sums were computed with: a weight changed in place
+    or replaced makes ``table`` recompute from the weights (tests/test_hf.py)."""
     return tuple((name, id(w), w._version, tuple(w.shape), w.dtype) for name, w in weights.items())
 
 
@@ -333,7 +335,11 @@ class AnalysisStream:
                 self.loaded, ids, self.variants, self.mode, self.params, masks
             )
         weights = {v: w[:, 0] for v, w in weights.items()}
-        cache = None if sums is None else (sums, masks, _fingerprint(weights))
+        cache = None
+        if sums is not None:  # the statistics layer's public result type, one per variant
+            shape = tuple(next(iter(weights.values())).shape)  # (L, H, N, N)
+            sums = {v: stats.RowSums.from_dict(raw, shape) for v, raw in sums.items()}
+            cache = (sums, masks, _fingerprint(weights))
         return WindowResult(window=window, weights=weights, u=self.u, _sums=cache, values=record.values())
 
     def collect(self, progress: bool = False) -> AnalysisResult:

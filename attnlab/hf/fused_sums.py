@@ -1,5 +1,5 @@
 """The fused analysis of one unmasked window on the CPU: every variant's weights and, computed while
-each head is in cache, the row sums of ``attnlab.stats._row_sums`` for the tidy table
+each head is in cache, the row sums of ``attnlab.stats.engine.row_sums_dict`` for the tidy table
 (:func:`variants_with_sums`; the row pass in attnlab's CPU kernel ``attnlab_hf.head`` when built).
 """
 
@@ -10,9 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
-from attnlab import stats
 from attnlab.hf.layers import LINEAR_SPAN_MAX, _check_kernel_variants, _variants_unmasked
 from attnlab.hf.pool import _POOL
+from attnlab.stats import distance_matrix
+from attnlab.stats.divergence import js2_rowsum
+from attnlab.stats.engine import row_sums_dict
 
 LN2 = math.log(2.0)
 
@@ -51,7 +53,7 @@ class _FusedBuffers:
 # Columns of the row pass' sums (attnlab/csrc/analysis_cpu.cpp computes the same): with E and s as
 # in _FusedBuffers, beta_c the column factor of c = unas, dnas, sinkhorn, h the hnas weights, and
 # twice the Jensen-Shannon divergence (nats) of each row of v = dnas, hnas, sinkhorn to unas
-# (``attnlab.stats._js2_rowsum``).
+# (``attnlab.stats.divergence.js2_rowsum``).
 ROW_SUMS = (
     "es_unas", "es_dnas", "es_sinkhorn",  # sum_j E_ij s_ij beta_cj
     "ed_unas", "ed_dnas", "ed_sinkhorn",  # sum_j E_ij |i - j| beta_cj
@@ -65,7 +67,7 @@ _COL = {name: i for i, name in enumerate(ROW_SUMS)}
 
 def variants_with_sums(q, k, scale, variants, u, iters, specials, use_kernel: bool = True):
     """Weights of every variant (like :func:`_variants_unmasked`, B = 1) and, computed while each
-    head's matrices are in cache, the row sums of ``attnlab.stats._row_sums`` for the tidy table.
+    head's matrices are in cache, the row sums of ``attnlab.stats.engine.row_sums_dict`` for the tidy table.
 
     For heads whose scores span at most ``LINEAR_SPAN_MAX`` every variant is a diagonal scaling of one
     matrix E_ij = exp(s_ij - max_j s_ij): unas = diag(alpha_u) E, dnas = diag(alpha_d) E diag(beta_d),
@@ -94,7 +96,7 @@ def variants_with_sums(q, k, scale, variants, u, iters, specials, use_kernel: bo
     out = {v: _POOL.empty((L, B, H, N, N)) for v in variants}
     spec = torch.stack([m.to(q.dtype) for m in specials], -1) if specials else q.new_zeros(N, 0)  # (N, S)
     S = spec.shape[-1]
-    dist = stats._distance_matrix(N, N, q)  # (N, N) |i - j|
+    dist = distance_matrix(N, N, q)  # (N, N) |i - j|
     u_maps = (q.new_full((LH,), u) if isinstance(u, float) else u.to(q.dtype).reshape(L, H).reshape(LH))
     js_variants = [v for v in variants if ref is not None and v != ref]
     clamp_hnas = bool((u_maps > 1.0 - 1e-6).any())  # hnas = dnas may underflow to 0: 0 ln 0 = 0
@@ -181,14 +183,14 @@ class _HeadSettings:
 
 def _wide_head(q, k, scale, u, layer, h, views, variants, iters, spec, dist, ref) -> dict:
     """One head with widely spread scores: weights by :func:`_variants_unmasked` (log space), row sums
-    from those weights (``attnlab.stats._row_sums``)."""
+    from those weights (``attnlab.stats.engine.row_sums_dict``)."""
     u_w = u if isinstance(u, float) else u[layer : layer + 1, :, h : h + 1]
     part = _variants_unmasked(q[layer : layer + 1, :, h : h + 1], k[layer : layer + 1, :, h : h + 1],
                               [scale[layer]], variants, u_w, iters)
     sums = {}
     for v in sorted(variants, key=lambda n: n != ref):
         views[v].copy_(part[v][0, 0, 0])
-        sums[v] = stats._row_sums(views[v][None], spec, dist, None if ref is None or v == ref else views[ref])
+        sums[v] = row_sums_dict(views[v][None], spec, dist, None if ref is None or v == ref else views[ref])
     return {v: {key: None if t is None else t[0] for key, t in r.items()} for v, r in sums.items()}
 
 
@@ -250,11 +252,11 @@ def _rows_torch(s, e, blocks, views, sums, alpha, beta, u: float, cfg: _HeadSett
                 t.clamp_min_(math.log(torch.finfo(ph.dtype).tiny))
             torch.sum(t.mul_(ph), -1, out=out[:, _COL["h_xlogx"]])
         for v in cfg.js_variants:  # 2 JSD(v, unas) per row (every weight > 0 in a linear head)
-            stats._js2_rowsum(views[v][rows], pu, x, y, out=out[:, _COL["js2_" + v]], positive=True)
+            js2_rowsum(views[v][rows], pu, x, y, out=out[:, _COL["js2_" + v]], positive=True)
 
 
 def _assemble_sums(buf: _FusedBuffers, variants, ref, u_maps, iters, S) -> dict:
-    """Row sums of every variant (``attnlab.stats._row_sums`` layout) from the products in ``buf``,
+    """Row sums of every variant (``attnlab.stats.engine.row_sums_dict`` layout) from the products in ``buf``,
     for all maps at once: pi = alpha_i E_ij beta_j, so sum_j pi ln pi = ln alpha_i sum_j pi
     + alpha_i sum_j E_ij (s_ij - max) beta_j + alpha_i sum_j E_ij beta_j ln beta_j."""
     dn, sk = buf.dn_rows, buf.sk_rows

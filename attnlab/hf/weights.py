@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from attnlab import stats
 from attnlab.hf import fused_sums
 from attnlab.hf.fused_sums import ROW_SUMS  # noqa: F401  (re-exported)
 from attnlab.hf.interface import CapturedLayer, capture_qk, check_settings, use_variant
@@ -43,6 +42,8 @@ from attnlab.normalizers import (
     check_variant,
     variant_spec,
 )
+from attnlab.stats import distance_matrix
+from attnlab.stats.engine import row_sums_dict
 
 __all__ = ["MODES", "KERNEL_VARIANTS", "LINEAR_SPAN_MAX", "batch_weights", "check_arguments",
            "window_weights_and_sums"]
@@ -110,7 +111,7 @@ def _recompute(loaded: LoadedModel, input_ids, attention_mask, variants, given) 
 def _recompute_with_sums(loaded, input_ids, attention_mask, variants, given, specials=None):
     """-> (weights as in :func:`_recompute`, row sums of every variant for the tidy table or None).
 
-    The row sums (``attnlab.stats._row_sums`` layout over L*H maps, special-token masses for each
+    The row sums (``attnlab.stats.engine.row_sums_dict`` layout over L*H maps, special-token masses for each
     mask of ``specials``) come with the fused CPU path only: one unmasked text (B = 1) of a
     bidirectional model, with ``specials`` given (a list of bool (N,) key masks). Tensors stay on the
     model's device.
@@ -221,7 +222,7 @@ def batch_weights(
 
 def window_weights_and_sums(loaded: LoadedModel, input_ids, variants, mode, given, specials):
     """One window (input_ids (1, N), no padding): (weights {variant: (L, 1, H, N, N)} on the CPU, row
-    sums for ``attnlab.stats._tidy_from_row_sums`` or None). On the CPU the sums come with the weights
+    sums for ``attnlab.stats.table_from_row_sums`` or None). On the CPU the sums come with the weights
     when the fused path applies (recompute mode, bidirectional model); on a GPU they are always
     computed there, from the weights, before these are copied to the CPU."""
     dev = loaded.device
@@ -239,17 +240,17 @@ def window_weights_and_sums(loaded: LoadedModel, input_ids, variants, mode, give
 
 
 def _row_sums_of(weights: dict[str, torch.Tensor], specials) -> dict:
-    """Row sums (``attnlab.stats._row_sums`` layout, on the CPU) of one window's weights {variant:
+    """Row sums (``attnlab.stats.engine.row_sums_dict`` layout, on the CPU) of one window's weights {variant:
     (L, 1, H, N, N)}, computed where the weights are; ``js`` to unas when unas is among them."""
     first = next(iter(weights.values()))
     L, _, H, N, _ = first.shape
     spec = torch.stack([m.to(first.device, first.dtype) for m in specials], -1)  # (N, S)
-    dist = stats._distance_matrix(N, N, first)
+    dist = distance_matrix(N, N, first)
     ref = "unas" if "unas" in weights else None
     raw = {}
     for v in weights:
         js = None if ref is None or v == ref else weights[ref]
-        raw[v] = stats._row_sums(weights[v].reshape(L * H, N, N), spec, dist, js)
+        raw[v] = row_sums_dict(weights[v].reshape(L * H, N, N), spec, dist, js)
     return {v: {key: None if t is None else t.cpu() for key, t in raw[v].items()} for v in weights}
 
 

@@ -40,8 +40,7 @@ statistics), ``divergence`` (Jensen-Shannon), ``words`` (token decoding, word ag
 
 from __future__ import annotations
 
-from attnlab.stats._checks import LN2, pair_mask
-from attnlab.stats._checks import distance_matrix as _distance_matrix
+from attnlab.stats._checks import LN2, check_eps, check_weights, distance_matrix, pair_mask
 from attnlab.stats.divergence import head_js_matrix, js_distance, variant_js_matrix
 from attnlab.stats.divergence import js2_rowsum as _js2_rowsum
 from attnlab.stats.engine import (
@@ -76,7 +75,12 @@ from attnlab.stats.table import (
 )
 from attnlab.stats.words import merge_tokens, word_aggregate, word_units
 
+_distance_matrix = distance_matrix  # the old private name
+
 __all__ = [
+    "check_eps",
+    "check_weights",
+    "distance_matrix",
     "STATISTICS",
     "DoublyStochasticDeviation",
     "RowSums",
