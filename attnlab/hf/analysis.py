@@ -1,4 +1,5 @@
-"""Analysing a text with every attention variant on a real model: results, windows, streaming.
+"""Analysing a text with every attention variant on a real model: planning, windows, streaming
+(the results themselves: attnlab/hf/results.py).
 
 Data flow (docs/DESIGN.md §5): text -> tokens -> windows -> model forward (capturing q, k per layer) ->
 weights per variant (:mod:`attnlab.hf.weights`, recompute or swap mode) -> statistics
@@ -13,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import islice
 
 import torch
@@ -23,6 +24,13 @@ from attnlab.hf import contribution_view
 from attnlab.hf.interface import DEFAULT_U
 from attnlab.hf.loading import LoadedModel, ModelInfo, model_on
 from attnlab.hf.native import NativeModel, learned_u, native_weights
+from attnlab.hf.results import (  # noqa: F401  (re-exported: their old home)
+    AnalysisResult,
+    WindowResult,
+    _fingerprint,
+    _u_for_stats,
+    hnas_u_from_checkpoint,
+)
 from attnlab.hf.weights import check_arguments, window_weights_and_sums
 from attnlab.hf.windows import (
     MAX_DEFAULT_WINDOW,
@@ -44,226 +52,6 @@ __all__ = [
     "analyze",
     "stream_analysis",
 ]
-
-# ----------------------------------------------------------------------------------------------
-# Results
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class WindowResult:
-    """Weights of every variant for one window of the text."""
-
-    window: Window  # tokens, word ids, special/punctuation flags, character spans
-    weights: dict[str, torch.Tensor]  # variant -> (L, H, N, N); rows sum to 1
-    u: float | torch.Tensor = DEFAULT_U  # HNAS weight used (for the u/N bound)
-    # variant -> {map: (L, H, N, N)}: the parts of a GAM checkpoint's weights (attnlab.hf.native):
-    # "phi" (content brains mixed, Eq. 14), "theta" (relative-position branch, Eq. 22), "brain_<b>",
-    # "position_brain_<b>" (each brain normalized); NaN in layers without that map. Empty otherwise.
-    components: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
-    # Row sums for the statistics, computed together with the weights (attnlab.hf.weights): (sums,
-    # special-key masks they cover, the weights' (id, version) when computed). Used by ``table``
-    # while the weights are those very tensors, unchanged.
-    _sums: tuple | None = field(default=None, repr=False, compare=False)
-    # variant -> value norms and Gram matrices (attnlab.hf.values.ValueSummary), with contributions=True
-    values: dict | None = field(default=None, repr=False, compare=False)
-
-    @property
-    def value_norms(self) -> torch.Tensor:
-        """(L, H, N) ||f_h(x_j)|| (Kobayashi et al. 2020); analyse with ``contributions=True``."""
-        return contribution_view.value_norms(self)
-
-    @property
-    def contribution_mass(self) -> dict[str, torch.Tensor]:
-        """variant -> (L, H, N) c_j = sum_i pi_ij ||f_h(x_j)|| (``attnlab.contributions``)."""
-        return contribution_view.contribution_mass(self)
-
-    def layer_contribution_norms(self, variant: str, layer: int) -> torch.Tensor:
-        """(N, N) ||sum_h pi^h_ij f_h(x_j)|| of one layer, computed in blocks of rows."""
-        return contribution_view.layer_norms(self, variant, layer)
-
-    def sinks(self, which: str = "first+special", eps: float = 0.01, eps_relative: float = 0.1):
-        """Tidy sink statistics (``attnlab.sinks.SINK_STATISTICS``): sink mass per layer and head and
-        the column-mass statistics with the sink keys excluded (rows renormalized)."""
-        from attnlab import sinks
-
-        return sinks.sink_table(self.weights, self.special, which=which, eps=eps, eps_relative=eps_relative,
-                                window=self.index)
-
-    @property
-    def index(self) -> int:
-        return self.window.index
-
-    @property
-    def tokens(self) -> list[str]:
-        return self.window.tokens
-
-    @property
-    def special(self) -> torch.Tensor:
-        """(N,) bool: special tokens ([CLS], [SEP], <s>, ...)."""
-        return torch.from_numpy(self.window.special)
-
-    @property
-    def punctuation(self) -> torch.Tensor:
-        """(N,) bool: tokens made only of punctuation or symbols."""
-        return torch.from_numpy(self.window.punctuation)
-
-    def table(self, *, include_punctuation: bool = True, **kwargs):
-        """Tidy statistics of this window (``attnlab.stats.tidy_table``) with a ``window`` column.
-
-        ``special_mass`` counts special tokens and, with ``include_punctuation``, punctuation tokens
-        (docs/DESIGN.md §4). Other keyword arguments (eps, eps_relative, reference) go to ``tidy_table``.
-        """
-        from attnlab import stats
-
-        special = self.special | self.punctuation if include_punctuation else self.special
-        kwargs.setdefault("u", _u_for_stats(self.u))
-        cached = None
-        if set(kwargs) <= {"u", "eps", "eps_relative", "reference"}:
-            cached = self._cached_sums(special, kwargs.get("reference", "unas"))
-        if cached is not None:
-            sums, index = cached
-            return contribution_view.with_contributions(self, kwargs, stats.table_from_row_sums(
-                sums, special_index=index, u=kwargs["u"], eps=kwargs.get("eps", 0.01),
-                eps_relative=kwargs.get("eps_relative", 0.1), reference=kwargs.get("reference", "unas"),
-                window=self.index,
-            ))
-        return contribution_view.with_contributions(
-            self, kwargs, stats.tidy_table(self.weights, special=special, window=self.index, **kwargs))
-
-    def _cached_sums(self, special: torch.Tensor, reference):
-        """(row sums, index of ``special`` among their key masks) when they describe the current
-        weights and the requested statistics; None otherwise (tidy_table recomputes)."""
-        if self._sums is None or reference != "unas":
-            return None
-        sums, masks, fingerprint = self._sums
-        if list(sums) != list(self.weights) or fingerprint != _fingerprint(self.weights):
-            return None
-        for i, m in enumerate(masks):
-            if torch.equal(m, special):
-                return sums, i
-        return None
-
-
-def _fingerprint(weights: dict[str, torch.Tensor]) -> tuple:
-    """Which weight tensors (and versions) the row sums were computed with: a weight changed in place
-    or replaced makes ``table`` recompute from the weights (tests/test_hf.py)."""
-    return tuple((name, id(w), w._version, tuple(w.shape), w.dtype) for name, w in weights.items())
-
-
-@dataclass
-class AnalysisResult:
-    """Everything :func:`analyze` found. Single-window texts read like one matrix per variant
-    (``.tokens``, ``.weights``); long texts keep one :class:`WindowResult` per window."""
-
-    model: ModelInfo
-    variants: tuple[str, ...]
-    mode: str
-    u: float | torch.Tensor
-    iters: int  # Sinkhorn iterations used (1 for causal models)
-    windowing: Windowing
-    windows: list[WindowResult]
-    text_sha256: str
-    notes: list[str] = field(default_factory=list)
-    device: str = "cpu"  # where the model ran ("cpu", "cuda:0"); weights and tables are on the CPU
-
-    @property
-    def n_windows(self) -> int:
-        return len(self.windows)
-
-    def _single(self, what: str) -> WindowResult:
-        if len(self.windows) != 1:
-            raise ValueError(
-                f"the text was split into {len(self.windows)} windows of {self.windowing.window} tokens; "
-                f"use .windows[i].{what} (per window) instead of .{what}"
-            )
-        return self.windows[0]
-
-    @property
-    def weights(self) -> dict[str, torch.Tensor]:
-        """variant -> (L, H, N, N) for a single-window text (raises for several windows)."""
-        return self._single("weights").weights
-
-    @property
-    def tokens(self) -> list[str]:
-        """Tokens aligned with ``.weights`` (special tokens included) for a single window; for several
-        windows, the text's tokens without special tokens (each window has its own ``.tokens``)."""
-        if len(self.windows) == 1:
-            return self.windows[0].tokens
-        return [t for w in self.windows for t in _text_tokens(w, self.windowing)]
-
-    @property
-    def word_ids(self) -> list[int | None]:
-        """Word index per token of ``.tokens`` (None for special tokens)."""
-        if len(self.windows) == 1:
-            return self.windows[0].window.word_ids
-        return [x for w in self.windows for x in _text_tokens(w, self.windowing, "word_ids")]
-
-    @property
-    def special(self) -> torch.Tensor:
-        """(N,) bool special-token flags of the single window."""
-        return self._single("special").special
-
-    @property
-    def components(self) -> dict[str, dict[str, torch.Tensor]]:
-        """variant -> {map: (L, H, N, N)} of a GAM checkpoint, single window (see WindowResult)."""
-        return self._single("components").components
-
-    @property
-    def value_norms(self) -> torch.Tensor:
-        """(L, H, N) value norms of the single window (``contributions=True``)."""
-        return self._single("value_norms").value_norms
-
-    @property
-    def contribution_mass(self) -> dict[str, torch.Tensor]:
-        """variant -> (L, H, N) contribution masses of the single window (``contributions=True``)."""
-        return self._single("contribution_mass").contribution_mass
-
-    def table(self, **kwargs):
-        """Tidy statistics, one row per window/variant/layer/head/statistic (see WindowResult.table)."""
-        import pandas as pd
-
-        return pd.concat([w.table(**kwargs) for w in self.windows], ignore_index=True)
-
-    def summary(self, **kwargs):
-        """Statistics averaged over windows (``attnlab.stats.aggregate_windows``): columns variant,
-        layer, head, statistic, value (mean), std, n_windows."""
-        from attnlab import stats
-
-        return stats.aggregate_windows(w.table(**kwargs) for w in self.windows)
-
-
-def _text_tokens(w: WindowResult, windowing: Windowing, attr: str = "tokens") -> list:
-    """The part of a window's tokens not already covered by the previous window (no specials)."""
-    values = getattr(w.window, attr)
-    text_values = [v for v, s in zip(values, w.window.special, strict=True) if not s]
-    skip = 0
-    if w.index > 0:
-        prev_stop = windowing.starts[w.index - 1] + windowing.content
-        skip = max(0, prev_stop - w.window.start)
-    return text_values[skip:]
-
-
-def hnas_u_from_checkpoint(directory: str | os.PathLike) -> torch.Tensor:
-    """u = sigmoid(theta) per layer and head, (L, H), of a trained attnlab checkpoint (a run or step
-    directory written by ``attnlab train``), for ``analyze(..., u=...)`` on a model with the same L, H.
-
-    Raises ValueError if the checkpoint cannot be read or has layers that are not UNAS/DNAS mixtures
-    (Sinkhorn with iters > 1).
-    """
-    from attnlab import models
-
-    try:
-        u = models.load(directory).hybrid_weights()  # (L, H)
-    except (OSError, KeyError, RuntimeError) as e:
-        raise ValueError(f"cannot read HNAS weights from checkpoint {directory}: {e}") from None
-    if not bool(torch.isfinite(u).all()):
-        raise ValueError(f"checkpoint {directory} has layers without a hybrid weight (Sinkhorn, iters > 1)")
-    return u
-
-
-def _u_for_stats(u):
-    return float(u) if not isinstance(u, torch.Tensor) or u.numel() == 1 else u
 
 
 # ----------------------------------------------------------------------------------------------
