@@ -28,11 +28,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from attnlab.cli_errors import EXIT_BAD_INPUT, EXIT_INTERNAL, error, run_worded  # noqa: F401
 from attnlab.cli_variants import add_variant_arguments, parse_variants, variant_params
 from attnlab.normalizers import check_param
 
-EXIT_BAD_INPUT = 2
-EXIT_INTERNAL = 1
 DEFAULT_MAX_MB = 20.0
 STATIC_FORMATS = ("png", "svg", "pdf")
 EXPLAINED_AWAY_STATISTIC = "explained_away_relative"  # m_j * N / M < eps_relative (comparable across N)
@@ -106,27 +105,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        return _run(args)
-    except ValueError as e:  # InputError, ModelLoadError, bad settings: all worded for people
-        _error(str(e))
-        return EXIT_BAD_INPUT
-    except OSError as e:
-        _error(f"{e.strerror or e}: {e.filename}" if getattr(e, "filename", None) else str(e))
-        return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        _error("interrupted; no output written")
-        return 130
-    except Exception as e:  # a bug: still no traceback unless asked for
-        if os.environ.get("ATTNLAB_DEBUG"):
-            raise
-        _error(f"internal error ({e.__class__.__name__}: {e}); set ATTNLAB_DEBUG=1 for the traceback")
-        return EXIT_INTERNAL
+    return run_worded("analyze", lambda: _run(args), "interrupted; no output written")
 
 
 def _error(message: str) -> None:
-    first = " ".join(str(message).split())  # one line
-    print(f"attnlab analyze: error: {first}", file=sys.stderr)
+    error("analyze", message)
 
 
 def _note(args, message: str) -> None:

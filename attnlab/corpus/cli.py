@@ -9,11 +9,9 @@ again to resume a killed run. Bad input ends with a one-line message and exit st
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-EXIT_BAD_INPUT = 2
-EXIT_INTERNAL = 1
+from attnlab.cli_errors import EXIT_BAD_INPUT, EXIT_INTERNAL, error, run_worded  # noqa: F401
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,26 +46,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        return _run(args)
-    except ValueError as e:
-        _error(str(e))
-        return EXIT_BAD_INPUT
-    except OSError as e:
-        _error(f"{e.strerror or e}: {e.filename}" if getattr(e, "filename", None) else str(e))
-        return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        _error("interrupted; completed shards are kept, run the same command to resume")
-        return 130
-    except Exception as e:
-        if os.environ.get("ATTNLAB_DEBUG"):
-            raise
-        _error(f"internal error ({e.__class__.__name__}: {e}); set ATTNLAB_DEBUG=1 for the traceback")
-        return EXIT_INTERNAL
+    return run_worded("corpus", lambda: _run(args),
+                      "interrupted; completed shards are kept, run the same command to resume")
 
 
 def _error(message: str) -> None:
-    print(f"attnlab corpus: error: {' '.join(str(message).split())}", file=sys.stderr)
+    error("corpus", message)
 
 
 def _run(args) -> int:
