@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import numpy as np
 import torch
 
 from attnlab import stats
@@ -173,31 +172,11 @@ def contribution_table(
     """Tidy rows (variant, layer, head, statistic, value[, window]) of :func:`contribution_statistics`
     for every variant of ``weights`` ({variant: (L, H, N, N)}), with ``norms`` {variant: (L, H, N)}
     (the same tensor for every variant in recompute mode)."""
-    import pandas as pd
-
-    frames = []
-    for variant, w in weights.items():
+    for variant in weights:
         if variant not in norms:
             raise ValueError(f"norms has no entry for variant {variant!r} (has {sorted(norms)})")
-        st = contribution_statistics(w, norms[variant], eps, eps_relative)
-        L, H = w.shape[:2]
-        keys = list(st)
-        values = torch.stack([st[k].cpu() for k in keys], -1).numpy()  # (L, H, S)
-        frames.append(
-            pd.DataFrame(
-                {
-                    "variant": variant,
-                    "layer": np.repeat(np.arange(L), H * len(keys)),
-                    "head": np.tile(np.repeat(np.arange(H), len(keys)), L),
-                    "statistic": np.tile(np.asarray(keys, dtype=object), L * H),
-                    "value": values.reshape(-1).astype(np.float64),
-                }
-            )
-        )
-    frame = pd.concat(frames, ignore_index=True)
-    if window is not None:
-        frame["window"] = window
-    return frame
+    return stats.long_table({v: contribution_statistics(w, norms[v], eps, eps_relative)
+                             for v, w in weights.items()}, window)
 
 
 def explained_away_fraction_by(

@@ -159,29 +159,7 @@ def sink_table(
 ):
     """Tidy rows (variant, layer, head, statistic, value[, window]) of :func:`sink_statistics` for
     every variant of ``weights`` ({variant: (L, H, N, N)})."""
-    import pandas as pd
-
     if not isinstance(weights, Mapping) or not weights:
         raise ValueError("weights must be a non-empty dict {variant name: tensor (L, H, N, N)}")
-    frames = []
-    for variant, w in weights.items():
-        keys = sink_keys(w.shape[-1], special, which)
-        st = sink_statistics(w, keys, special, eps, eps_relative)
-        L, H = w.shape[:2]
-        names = list(st)
-        values = torch.stack([st[k].cpu() for k in names], -1).numpy()  # (L, H, S)
-        frames.append(
-            pd.DataFrame(
-                {
-                    "variant": variant,
-                    "layer": np.repeat(np.arange(L), H * len(names)),
-                    "head": np.tile(np.repeat(np.arange(H), len(names)), L),
-                    "statistic": np.tile(np.asarray(names, dtype=object), L * H),
-                    "value": values.reshape(-1),
-                }
-            )
-        )
-    frame = pd.concat(frames, ignore_index=True)
-    if window is not None:
-        frame["window"] = window
-    return frame
+    return stats.long_table({v: sink_statistics(w, sink_keys(w.shape[-1], special, which), special, eps,
+                                                eps_relative) for v, w in weights.items()}, window)

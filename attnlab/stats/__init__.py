@@ -70,6 +70,7 @@ from attnlab.stats.table import (
     _statistics_from_row_sums,
     _tidy_from_row_sums,
     aggregate_windows,
+    long_table,
     table_from_row_sums,
     tidy_table,
 )
@@ -78,6 +79,7 @@ from attnlab.stats.words import merge_tokens, word_aggregate, word_units
 _distance_matrix = distance_matrix  # the old private name
 
 __all__ = [
+    "long_table",
     "check_eps",
     "check_weights",
     "distance_matrix",

@@ -144,6 +144,17 @@ def _to_frame(stats: dict, names: list[str], L: int, H: int, window) -> pd.DataF
     return frame
 
 
+def long_table(statistics: Mapping[str, Mapping[str, torch.Tensor]], window=None) -> pd.DataFrame:
+    """Tidy rows (variant, layer, head, statistic, value[, window]) from {variant: {statistic: (L, H)}}
+    (every variant with the same statistics and L, H): the layout of :func:`tidy_table`, for the
+    statistics other modules compute (attnlab.contributions, attnlab.sinks)."""
+    names = list(statistics)
+    if not names:
+        raise ValueError("statistics must be a non-empty dict {variant: {statistic: (L, H) tensor}}")
+    L, H = next(iter(statistics[names[0]].values())).shape[:2]
+    return _to_frame(statistics, names, L, H, window)
+
+
 _KEYS = ["variant", "layer", "head", "statistic"]
 
 
