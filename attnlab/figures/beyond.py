@@ -42,30 +42,29 @@ def _layer_means(table: pd.DataFrame, statistic: str) -> pd.DataFrame:
     return rows.groupby(["variant", "layer"], sort=False)["value"].mean().reset_index()
 
 
+def _paired_layer_curves(pairs, label: str, layout: dict) -> go.Figure:
+    """Per-layer curves, one colour per variant and one dash per measure; ``pairs``: ((frame of
+    _layer_means, dash, what), ...), trace names ``label.format(variant=..., what=...)``."""
+    fig = go.Figure()
+    for i, variant in enumerate(dict.fromkeys(pairs[0][0]["variant"])):
+        color = f"hsl({(i * 83) % 360}, 60%, 45%)"
+        for frame, dash, what in pairs:
+            r = frame[frame["variant"] == variant]
+            fig.add_trace(go.Scatter(x=r["layer"], y=r["value"], mode="lines+markers",
+                                     name=label.format(variant=variant, what=what),
+                                     line=dict(color=color, dash=dash)))
+    fig.update_layout(xaxis_title="layer", template="plotly_white", **layout)
+    return fig
+
+
 def weight_vs_contribution(table: pd.DataFrame, *, title: str | None = None) -> FigureBundle:
     """Explained-away fraction (relative rule) by weight (solid) and by contribution (dashed) per layer,
     mean over heads (and windows), one colour per variant; ``table``: WindowResult.table() rows."""
     w, c = _layer_means(table, WEIGHT_STAT), _layer_means(table, CONTRIBUTION_STAT)
-    fig = go.Figure()
-    for i, variant in enumerate(dict.fromkeys(w["variant"])):
-        color = f"hsl({(i * 83) % 360}, 60%, 45%)"
-        for frame, dash, what in ((w, "solid", "weight"), (c, "dash", "contribution")):
-            r = frame[frame["variant"] == variant]
-            fig.add_trace(
-                go.Scatter(
-                    x=r["layer"],
-                    y=r["value"],
-                    mode="lines+markers",
-                    name=f"{variant} by {what}",
-                    line=dict(color=color, dash=dash),
-                )
-            )
-    fig.update_layout(
-        title=title or "Explained away by weight (solid) and by contribution (dashed)",
-        xaxis_title="layer",
-        yaxis_title="share of keys (relative mass < ε)",
-        template="plotly_white",
-    )
+    fig = _paired_layer_curves(
+        ((w, "solid", "weight"), (c, "dash", "contribution")), "{variant} by {what}",
+        dict(title=title or "Explained away by weight (solid) and by contribution (dashed)",
+             yaxis_title="share of keys (relative mass < ε)"))
     long = pd.concat([w.assign(measure="weight"), c.assign(measure="contribution")], ignore_index=True)
     return FigureBundle(figure=fig, table=long)
 
@@ -73,27 +72,10 @@ def weight_vs_contribution(table: pd.DataFrame, *, title: str | None = None) -> 
 def sink_mass_by_layer(sinks_table: pd.DataFrame, *, title: str | None = None) -> FigureBundle:
     """Mean attention on the sink keys per layer (solid) and on the first position (dotted)."""
     total, first = _layer_means(sinks_table, "sink_mass"), _layer_means(sinks_table, "sink_mass_first")
-    fig = go.Figure()
-    for i, variant in enumerate(dict.fromkeys(total["variant"])):
-        color = f"hsl({(i * 83) % 360}, 60%, 45%)"
-        for frame, dash, what in ((total, "solid", "sinks"), (first, "dot", "first position")):
-            r = frame[frame["variant"] == variant]
-            fig.add_trace(
-                go.Scatter(
-                    x=r["layer"],
-                    y=r["value"],
-                    mode="lines+markers",
-                    name=f"{variant}: {what}",
-                    line=dict(color=color, dash=dash),
-                )
-            )
-    fig.update_layout(
-        title=title or "Attention taken by sinks per layer (mean over heads and rows)",
-        xaxis_title="layer",
-        yaxis_title="mass per row",
-        yaxis_range=[0, 1],
-        template="plotly_white",
-    )
+    fig = _paired_layer_curves(
+        ((total, "solid", "sinks"), (first, "dot", "first position")), "{variant}: {what}",
+        dict(title=title or "Attention taken by sinks per layer (mean over heads and rows)",
+             yaxis_title="mass per row", yaxis_range=[0, 1]))
     long = pd.concat([total.assign(keys="sinks"), first.assign(keys="first")], ignore_index=True)
     return FigureBundle(figure=fig, table=long)
 
