@@ -267,3 +267,20 @@ def test_flow_refuses_work_beyond_its_limit_and_bad_outputs():
     with pytest.raises(ValueError, match="weights must be"):
         flow.attention_flow(torch.ones(2, 3, 4))
     assert math.isclose(flow.flow_work(6, 512, 1), 6 * 512**3)
+
+
+def test_per_layer_figures_draw_one_curve_per_variant_and_measure():
+    import pandas as pd
+
+    from attnlab.figures import beyond as fb
+
+    rows = [dict(variant=v, layer=layer, head=h, statistic=s, value=0.1 * layer + (0.5 if v == "dnas" else 0))
+            for v in ("unas", "dnas") for layer in range(3) for h in range(2)
+            for s in (fb.WEIGHT_STAT, fb.CONTRIBUTION_STAT, "sink_mass", "sink_mass_first")]
+    table = pd.DataFrame(rows)
+    for bundle, names in ((fb.weight_vs_contribution(table), ["unas by weight", "unas by contribution"]),
+                          (fb.sink_mass_by_layer(table), ["unas: sinks", "unas: first position"])):
+        traces = bundle.figure.data
+        assert [t.name for t in traces[:2]] == names and len(traces) == 4
+        assert list(traces[2].y) == pytest.approx([0.5, 0.6, 0.7])  # dnas, mean over heads per layer
+        assert traces[0].line.color == traces[1].line.color != traces[2].line.color
