@@ -266,7 +266,7 @@ def test_stop_signal_checkpoints_the_current_step_then_resume(tmp_path, text_fil
 def test_stop_request_handlers_main_thread_only_and_restored():
     import threading
 
-    from attnlab.train.trainer import _StopRequest
+    from attnlab.train.runtime import StopRequest as _StopRequest
 
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     stop = _StopRequest()

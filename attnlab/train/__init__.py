@@ -22,15 +22,8 @@ import sys
 
 from attnlab.train.checkpoint import CheckpointError
 from attnlab.train.config import DataConfig, RunConfig, TrainConfig, list_recipes, load_recipe
-from attnlab.train.trainer import (
-    MetricsLog,
-    TrainResult,
-    column_mass_summary,
-    learning_rate,
-    parse_metrics,
-    read_metrics,
-    train,
-)
+from attnlab.train.metrics import MetricsLog, column_mass_summary, parse_metrics, read_metrics
+from attnlab.train.trainer import TrainResult, learning_rate, train
 
 __all__ = [
     "DataConfig",

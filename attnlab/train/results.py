@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from attnlab.data import LMData, MultiViewConfig, MultiViewTask, load_corpus, load_tokenizer
 from attnlab.models import MultiViewModel, load, load_config
-from attnlab.train.trainer import read_metrics
+from attnlab.train.metrics import read_metrics
 
 __all__ = ["multiview_run", "multiview_experiment", "column_mass_distribution", "build_results"]
 

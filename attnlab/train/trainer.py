@@ -4,12 +4,9 @@ CPU, NCCL on CUDA)."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from attnlab.checkpoint_io import atomic_write_bytes, atomic_write_json
+from attnlab.checkpoint_io import atomic_write_json
 from attnlab.data import (
     IGNORE_INDEX,
     DataPosition,
@@ -38,11 +35,12 @@ from attnlab.train.checkpoint import (
     save_checkpoint,
 )
 from attnlab.train.config import RunConfig
+from attnlab.train.metrics import METRICS_FILE, MetricsLog, column_mass_summary, evaluate, read_metrics
+from attnlab.train.runtime import StopRequest, setup_distributed
 
 __all__ = ["train", "TrainResult", "learning_rate", "column_mass_summary", "read_metrics", "MetricsLog"]
 
 RECIPE_FILE = "recipe.json"
-METRICS_FILE = "metrics.jsonl"
 
 
 @dataclass
@@ -62,175 +60,6 @@ def learning_rate(step: int, cfg) -> float:
     span = max(1, cfg.steps - cfg.warmup)
     progress = min(1.0, (step - cfg.warmup) / span)
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
-
-
-# ----------------------------------------------------------------------------------------------
-# Metrics log
-# ----------------------------------------------------------------------------------------------
-
-
-def parse_metrics(text: str) -> list[dict]:
-    """The complete records of metrics.jsonl text: JSON objects with a "step" (a torn last line from a
-    kill, or any other line that is not such an object, is skipped)."""
-    out = []
-    for line in text.splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(rec, dict) and "step" in rec:
-            out.append(rec)
-    return out
-
-
-def read_metrics(path: str | os.PathLike) -> list[dict]:
-    """The complete JSON lines of a metrics.jsonl file (see :func:`parse_metrics`); [] if missing."""
-    p = Path(path)
-    return parse_metrics(p.read_text(encoding="utf-8")) if p.is_file() else []
-
-
-class MetricsLog:
-    """Appends one JSON object per line, flushed at once, so a reader (the app) sees it live."""
-
-    def __init__(self, path: Path, keep_through_step: int | None):
-        self.path = Path(path)
-        if keep_through_step is not None:  # resume: drop lines past the checkpoint (and torn lines)
-            kept = [r for r in read_metrics(self.path) if r["step"] <= keep_through_step]
-            atomic_write_bytes(self.path, "".join(json.dumps(r) + "\n" for r in kept).encode("utf-8"))
-        self._f = open(self.path, "a", buffering=1, encoding="utf-8")  # line buffered
-
-    def write(self, record: dict) -> None:
-        self._f.write(json.dumps(record) + "\n")
-        self._f.flush()
-
-    def sync(self) -> None:
-        self._f.flush()
-        os.fsync(self._f.fileno())
-
-    def close(self) -> None:
-        self._f.close()
-
-
-# ----------------------------------------------------------------------------------------------
-# Eval statistics
-# ----------------------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def column_mass_summary(weights: list[torch.Tensor], eps: float = 0.1) -> list[dict]:
-    """Per layer, over examples, heads and keys: quantiles of the relative column mass
-    m_j * N / M (mean 1; no padding in training batches), its minimum, and the share of keys with
-    relative mass below ``eps`` (epsilon-explained-away, relative). ``dnas_bound`` = N/M * 1/N = 1/M,
-    the DNAS lower bound in the same units."""
-    out = []
-    q = torch.tensor([0.05, 0.25, 0.5, 0.75, 0.95])
-    for w in weights:  # (B, H, M, N)
-        M, N = w.shape[-2:]
-        rel = (w.float().sum(-2) * (N / M)).flatten()  # (B*H*N,)
-        qs = torch.quantile(rel, q.to(rel.device)).tolist()
-        out.append({
-            "p05": qs[0], "p25": qs[1], "p50": qs[2], "p75": qs[3], "p95": qs[4],
-            "min": float(rel.min()), "explained_away": float((rel < eps).float().mean()),
-            "dnas_bound": 1.0 / M,
-        })
-    return out
-
-
-@torch.no_grad()
-def evaluate(model: TransformerLM, batches: list[dict], device) -> tuple[float, list[dict]]:
-    """Mean held-out loss per target token, and the column-mass summary of the first batch."""
-    was_training = model.training
-    model.eval()
-    total, count, summary = 0.0, 0, []
-    for i, b in enumerate(batches):
-        out = model(b["input_ids"].to(device), labels=b["labels"].to(device), loss_reduction="sum",
-                    return_weights=(i == 0))
-        total += float(out.loss)
-        count += out.n_targets
-        if i == 0:
-            summary = column_mass_summary(out.weights)
-    model.train(was_training)
-    return total / max(count, 1), summary
-
-
-# ----------------------------------------------------------------------------------------------
-# Stopping on a signal
-# ----------------------------------------------------------------------------------------------
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-
-class _StopRequest:
-    """SIGTERM / SIGINT while training: remember it, so the loop finishes the step it is in, writes a
-    resumable checkpoint and returns (the app's Stop button sends SIGTERM; torchrun forwards SIGTERM
-    and SIGINT to every worker).
-
-    :meth:`install` sets the handlers in the main thread only (the only thread Python delivers signals
-    to; ``train()`` run in another thread keeps the caller's handlers); :meth:`restore` puts the
-    previous ones back. A second SIGINT aborts at once (KeyboardInterrupt), as pressing Ctrl-C
-    twice should; a repeated SIGTERM only repeats the request.
-    """
-
-    def __init__(self):
-        self.signum: int | None = None
-        self._previous: dict[int, object] = {}
-
-    def install(self) -> None:
-        if threading.current_thread() is threading.main_thread():
-            for sig in STOP_SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
-        self._previous.clear()
-
-    def _handle(self, signum, frame) -> None:  # no I/O here: the loop reports the stop
-        if signum == signal.SIGINT and self.signum is not None:
-            raise KeyboardInterrupt
-        self.signum = signum
-
-    @property
-    def name(self) -> str | None:
-        return None if self.signum is None else signal.Signals(self.signum).name
-
-
-# ----------------------------------------------------------------------------------------------
-# Distributed set-up
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Dist:
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-    device: torch.device = torch.device("cpu")
-    initialized_here: bool = False
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-
-def _setup_distributed(device: str | None) -> _Dist:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    want_cuda = torch.cuda.is_available() if device in (None, "auto") else device.startswith("cuda")
-    if want_cuda and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} requested but CUDA is not available")
-    if world <= 1:
-        dev = torch.device(device if device not in (None, "auto") else ("cuda" if want_cuda else "cpu"))
-        return _Dist(device=dev)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    backend = "nccl" if want_cuda else "gloo"
-    dev = torch.device(f"cuda:{local_rank}") if want_cuda else torch.device("cpu")
-    if want_cuda:
-        torch.cuda.set_device(dev)
-    here = False
-    if not dist.is_initialized():
-        dist.init_process_group(backend=backend)
-        here = True
-    return _Dist(dist.get_rank(), dist.get_world_size(), local_rank, dev, here)
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -298,8 +127,8 @@ def train(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = False
     """
     run_dir = Path(run_dir)
     tc, dc = config.train, config.data
-    ddp = _setup_distributed(device)
-    stop = _StopRequest()
+    ddp = setup_distributed(device)
+    stop = StopRequest()
     try:
         stop.install()
         if tc.batch_size % ddp.world:
