@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import CORPUS
 
-from attnlab import analyze_cli
+from attnlab import analyze_outputs
 from attnlab.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -203,7 +203,7 @@ def test_failure_while_writing_leaves_no_output_directory(tmp_path, capsys, mini
     def broken(*args, **kwargs):
         raise ValueError("figure builder exploded")
 
-    monkeypatch.setattr(analyze_cli, "_figures", broken)
+    monkeypatch.setattr(analyze_outputs, "figures_of", broken)
     src = tmp_path / "text.txt"
     src.write_text(TEXT)
     out = tmp_path / "out"
