@@ -118,6 +118,7 @@ def test_html_figures_and_a_note_without_chromium(tmp_path, capsys, minilm, monk
     assert any("Chromium" in note for note in manifest["notes"])
 
 
+@pytest.mark.slow  # ~1 s: .ci/run runs it, the inner loop does not
 def test_long_text_windows_with_weights_per_window(tmp_path, capsys, tiny_model_dir):
     src = tmp_path / "long.txt"
     src.write_text(" ".join(CORPUS * 5), encoding="utf-8")

@@ -53,6 +53,7 @@ def test_byte_tokenizer_round_trip():
     assert tok.convert_ids_to_tokens([0, 4, 5 + ord("a")]) == ["[PAD]", "[MASK]", "a"]
 
 
+@pytest.mark.slow  # ~1 s: .ci/run runs it, the inner loop does not
 def test_wordpiece_restricted_vocab(kjv, tmp_path):
     text = kjv[:200_000]
     tok = WordPieceTokenizer.from_corpus(text, vocab_size=1000)

@@ -155,6 +155,7 @@ def _weights_case(p, scores):
     )
 
 
+@pytest.mark.slow  # ~1 s: .ci/run runs it, the inner loop does not
 def test_attention_weights_contiguous_float_inputs(reliability):
     @fuzz_settings(80)
     @given(problems())
@@ -576,6 +577,7 @@ def test_sinkhorn_potentials_give_the_reference_weights(case, reliability):
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # ~1 s: .ci/run runs it, the inner loop does not
 def test_relative_positions_fuzz(reliability):
     ints = st.one_of(st.integers(-50, 50), st.integers(-(2**63), 2**63 - 1))
 

@@ -32,6 +32,7 @@ def _rows_sum_to_one(w: torch.Tensor, valid: torch.Tensor, label: str):
     assert err < 1e-4, f"{label}: rows sum to 1 on valid tokens (0 on padding) up to {err:.2g}"
 
 
+@pytest.mark.slow  # ~1 s: .ci/run runs it, the inner loop does not
 def test_batch_weights_valid_arguments(tiny, reliability):
     from attnlab import hf
 

@@ -167,6 +167,7 @@ def _check_all(p, label=""):
     )
 
 
+@pytest.mark.slow  # ~1 s: .ci/run runs it, the inner loop does not
 def test_map_statistics_match_references(reliability):
     @fuzz_settings(80)
     @given(weight_cases(views=("contiguous",), dtypes=(torch.float32, torch.float64)))
@@ -272,6 +273,7 @@ def test_rollout_js_and_words_match_references(reliability):
     )
 
 
+@pytest.mark.slow  # ~1 s: .ci/run runs it, the inner loop does not
 def test_tables_and_row_sums(reliability):
     @fuzz_settings(30)
     @given(st.integers(0, 2**63 - 1))

@@ -338,6 +338,7 @@ def test_gradcheck(variant, causal, path, monkeypatch):
     assert torch.autograd.gradcheck(f, (q, k, v, u))
 
 
+@pytest.mark.slow  # ~1 s: .ci/run runs it, the inner loop does not
 def test_gradcheck_blocked_column_lse(monkeypatch):
     monkeypatch.setattr(nz.lse, "KEY_BLOCK", 2)
     gen = torch.Generator().manual_seed(10)

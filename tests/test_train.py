@@ -84,6 +84,7 @@ def test_training_writes_metrics_checkpoints_and_loads(tmp_path, text):
     assert kept == ["step-00000008", "step-00000012"]  # keep_checkpoints=2
 
 
+@pytest.mark.slow  # ~1 s: .ci/run runs it, the inner loop does not
 def test_resume_is_exact(tmp_path, text):
     config = tiny_config()
     train(config, tmp_path / "straight", text=text, progress=False)

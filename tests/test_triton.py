@@ -140,21 +140,27 @@ def check_grads(variant, kw, mask_kind, M, N, D, dtype=torch.float32):
 
 
 # ----------------------------------------------------------------------------------------------
-# Interpreter: the default run (one representative case per path)
+# Interpreter: the default run (one representative case per path; the inner loop,
+# `pytest -m "not slow"`, keeps the first of each list, the rest run in .ci/run)
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("variant,kw", CASES, ids=lambda x: str(x))
+def _inner_loop_keeps(cases, keep=1):
+    """``cases`` with all but the first ``keep`` marked slow (the interpreter costs ~1 s a case)."""
+    return [*cases[:keep], *(pytest.param(*c, marks=pytest.mark.slow) for c in cases[keep:])]
+
+
+@pytest.mark.parametrize("variant,kw", _inner_loop_keeps(CASES, 5), ids=lambda x: str(x))
 def test_forward_every_variant(interpret, variant, kw):
     check_forward(variant, kw, "both", 33, 64, 16)
 
 
-@pytest.mark.parametrize("mask_kind", MASKS)
+@pytest.mark.parametrize("mask_kind", _inner_loop_keeps([(m,) for m in MASKS[::-1]]))
 def test_forward_every_mask_d64(interpret, mask_kind):
     check_forward("hnas", {"u": "u_bh"}, mask_kind, 64, 33, 64)
 
 
-@pytest.mark.parametrize("variant,kw", GRAD_CASES[:2] + GRAD_CASES[3:], ids=lambda x: str(x))
+@pytest.mark.parametrize("variant,kw", _inner_loop_keeps([*GRAD_CASES[:2], *GRAD_CASES[3:]]), ids=str)
 def test_gradients(interpret, variant, kw):
     check_grads(variant, kw, "both", 33, 40, 16)
 
@@ -164,6 +170,7 @@ def test_causal_prefix(interpret, variant, kw):
     check_forward(variant, kw, "keys", 64, 64, 16, causal=True)
 
 
+@pytest.mark.slow
 def test_causal_prefix_exact_where_cumsum_underflows(interpret):
     """A column whose later scores exceed the first rows' by > 46 nats inside one query tile: the fast
     cumsum prefix would lose the early rows; the kernel switches that tile to the exact scan."""
@@ -174,11 +181,13 @@ def test_causal_prefix_exact_where_cumsum_underflows(interpret):
     _close(out, want, "causal dnas, large score range", 1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_half_inputs(interpret, dtype):
     check_forward("hnas", {"u": 0.6}, "keys", 33, 33, 16, dtype=dtype)
 
 
+@pytest.mark.slow
 def test_strided_inputs_and_expanded_u(interpret):
     """q, k, v as views of a (B, L, H, D) layout (no copy: the kernels take strides), u expanded."""
     q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in _inputs(33, 40, 16))
