@@ -129,6 +129,32 @@ def test_toy_variant_through_attend_weights_hf_table_and_figure(toy, minilm):
     np.testing.assert_allclose(np.asarray(fig.data[0].z, dtype=float), w[0, 0].numpy(), atol=1e-6)
 
 
+def test_causal_rules_note_what_they_change_on_a_causal_model(tiny_model_dir):
+    """The note comes from each spec's causal_rule (its docstring says why), not a name list."""
+    from attnlab import hf
+
+    def sharp_when_causal(params, given):
+        """causal use sharpens t."""
+        return {**params, "t": 0.5}
+
+    def tempered(logits, ctx):
+        return torch.softmax(logits / ctx.t, dim=-1)
+
+    attnlab.register_variant("tempered", tempered, params=(attnlab.Param("t", float, 2.0, 0.01, 100.0, "t"),),
+                             causal_rule=sharp_when_causal)
+    try:
+        model = hf.load_model(tiny_model_dir("gpt2"))
+        result = hf.analyze("a b c d e f", model, variants=("unas", "sinkhorn", "tempered"))
+        causal = [n for n in result.notes if " is causal: " in n]
+        assert len(causal) == 2, result.notes
+        assert "sinkhorn uses iters=1 (Causal Sinkhorn with more rounds degenerates" in causal[0]
+        assert causal[1].endswith("tempered uses t=0.5 (causal use sharpens t.)")
+        again = hf.analyze("a b c d e f", model, variants=("sinkhorn",), iters=1)
+        assert not [n for n in again.notes if " is causal: " in n]  # nothing changed, nothing said
+    finally:
+        specs.unregister_variant("tempered")
+
+
 @pytest.mark.slow
 def test_toy_variant_through_the_cli_via_an_installed_entry_point(tmp_path):
     """A separate 'package' (a dist-info with an attnlab.variants entry point on sys.path) ships

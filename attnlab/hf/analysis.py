@@ -42,7 +42,7 @@ from attnlab.hf.windows import (
     special_affixes,
     tokenize_text,
 )
-from attnlab.normalizers import DEFAULT_VARIANTS, check_params
+from attnlab.normalizers import DEFAULT_VARIANTS, check_params, variant_spec
 
 __all__ = [
     "hnas_u_from_checkpoint",
@@ -155,6 +155,29 @@ def _progress(stream: AnalysisStream, enabled: bool):
     return tqdm(stream, total=len(stream), unit="window", desc="analysing", leave=False)
 
 
+def _causal_notes(model_name: str, variants: Sequence[str], given: dict) -> list[str]:
+    """One note per variant whose causal rule (its spec's ``causal_rule``) changes its parameters
+    on this causal model, e.g. sinkhorn's iters 3 -> 1; the rule's docstring says why."""
+    notes = []
+    for name in variants:
+        rule = variant_spec(name).causal_rule
+        if rule is None:
+            continue
+        free, causal = check_params(name, given), check_params(name, given, causal=True)
+        changed = [f"{k}={causal[k]!r}" for k in causal if not _same(causal[k], free.get(k))]
+        if changed:
+            why = " ".join((rule.__doc__ or "").split())
+            note = f"{model_name} is causal: {name} uses {', '.join(changed)}"
+            notes.append(f"{note} ({why})" if why else note)
+    return notes
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return a == b
+
+
 def stream_analysis(
     text: str,
     model: LoadedModel | str | os.PathLike | None = None,
@@ -186,11 +209,8 @@ def stream_analysis(
         if learned is not None:
             given = {**given, "u": learned}
             notes.append(f"hnas uses the u per layer and head learned by {info.name}")
-    if info.causal and "sinkhorn" in variants and "iters" not in given:
-        notes.append(
-            f"{info.name} is causal: sinkhorn uses iters=1 (= causal DNAS), since causal Sinkhorn with "
-            "more iterations degenerates toward the identity"
-        )
+    if info.causal:
+        notes += _causal_notes(info.name, variants, given)
     if window is None:
         window = min(info.max_length, MAX_DEFAULT_WINDOW)
     elif isinstance(window, bool) or not isinstance(window, int) or not 0 < window <= info.max_length:
