@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnlab import bench
+from attnlab import VARIANTS, bench
 from attnlab.cli import main as cli_main
 from attnlab.modules import AttentionConfig, HybridWeight, MultiHeadAttention
 
@@ -20,7 +20,7 @@ def test_hybrid_weight_starts_at_half_and_is_learned():
         HybridWeight(2, init_u=1.0)
 
 
-@pytest.mark.parametrize("variant", ["unas", "dnas", "hnas", "sinkhorn"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_multihead_attention_padding_and_hybrid(variant):
     torch.manual_seed(0)
     mha = MultiHeadAttention(AttentionConfig(d_model=16, n_heads=4, variant=variant, iters=2))
