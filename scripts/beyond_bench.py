@@ -59,7 +59,7 @@ def _median(fn, repeat: int) -> float:
 def results(chars: int) -> None:
     m = hf.load_model(None)
     text = data.load_corpus("kjv", max_chars=chars)
-    r = hf.analyze(text, m, contributions=True)
+    r = hf.analyze(text, m, variants=VARIANTS, contributions=True)  # every registered variant
     print(
         f"text: first {chars} characters of the KJV corpus, {r.n_windows} windows of "
         f"{r.windowing.window} tokens"
@@ -90,6 +90,7 @@ def results(chars: int) -> None:
     sink = pd.concat([w.sinks() for w in r.windows])
     for stat in ("sink_mass_first", "sink_mass_special", "explained_away_relative_no_sinks"):
         piv = sink[sink.statistic == stat].groupby(["variant", "layer"]).value.mean().unstack()
+        piv = piv.reindex([v for v in VARIANTS if v in piv.index])
         print(f"\n{stat} (mean over heads, rows, windows), rows = variant, columns = layer")
         print(_md(piv))
     t = r.table()
