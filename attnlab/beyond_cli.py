@@ -5,13 +5,13 @@ Outputs, in the same ``--out`` folder (listed in manifest.json's ``files``; sett
 
     statistics.csv, summary.*  --contributions adds the rows of attnlab.contributions.CONTRIBUTION_STATISTICS
     sinks.csv                  --sinks: attnlab.sinks.SINK_STATISTICS per window/variant/layer/head
-    flow.npz                   --flow: window 0, one (n_outputs, N) array per variant, outputs, tokens
-    interventions.csv          --interventions VARIANT: window 0, layer, head, measure, value
-    faithfulness.csv           --faithfulness: window 0, variant, measure, tau, p_value, n_tokens
+    flow.npz                   --flow: one (n_outputs, N) array per variant, outputs, tokens, window
+    interventions.csv          --interventions VARIANT: window, variant, layer, head, measure, value
+    faithfulness.csv           --faithfulness: window, variant, measure, tau, p_value, n_tokens
     figures/*.html             one figure for each of the above (as the other figures)
 
-Flow, interventions and faithfulness describe the first window (they cost a max flow per token pair,
-L x H forwards, N forwards); a note says so for longer texts.
+Flow, interventions and faithfulness describe one window, ``--window-index`` (default 0; they cost a
+max flow per token pair, L x H swapped forwards, N forwards); a note says so for longer texts.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="first+special",
         help="which keys are sinks for --sinks (default: first+special)",
     )
-    add("--flow", action="store_true", help="attention flow (Abnar & Zuidema 2020) of window 0: flow.npz")
+    add("--flow", action="store_true", help="attention flow (Abnar & Zuidema 2020) of one window: flow.npz")
     add(
         "--flow-outputs",
         metavar="LIST",
@@ -54,7 +54,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--interventions",
         metavar="VARIANT",
         default=None,
-        help="swap each head of window 0 to VARIANT in turn: interventions.csv (L x H output change)",
+        help="swap each head to VARIANT in turn: interventions.csv (L x H output change of one window)",
+    )
+    add(
+        "--window-index",
+        metavar="K",
+        type=int,
+        default=0,
+        help="the window (0-based, as in tokens.json) that --flow, --interventions and --faithfulness "
+        "describe (default: 0)",
     )
     add(
         "--faithfulness",
@@ -69,6 +77,8 @@ def requested(args) -> bool:
 
 def check(args, error) -> None:
     """Flag checks before any heavy work; ``error``: the CLI's InputError class."""
+    if args.window_index < 0:
+        raise error(f"--window-index must be >= 0, got {args.window_index}")
     if args.flow_outputs is not None:
         if not args.flow:
             raise error("--flow-outputs needs --flow")
@@ -85,11 +95,15 @@ def check(args, error) -> None:
 def preflight(args, stream, error) -> list[str]:
     """Checks that need the planned stream (sizes, the model's head): fail before anything is written."""
     from attnlab import flow
-
-    w = stream.windowing
-    n0 = min(w.content, w.n_tokens) + (w.window - w.content)  # tokens of window 0
     from attnlab.normalizers import VARIANTS
 
+    w, k = stream.windowing, args.window_index
+    if k >= w.n_windows:
+        raise error(
+            f"--window-index must be in [0, {w.n_windows - 1}]: the text has {w.n_windows} window(s) of "
+            f"{w.window} tokens; got {k}"
+        )
+    n0 = min(w.content, w.n_tokens - w.starts[k]) + (w.window - w.content)  # tokens of window k
     notes = []
     if args.interventions is not None and args.interventions not in VARIANTS:
         raise error(f"--interventions must be one of {','.join(VARIANTS)}, got {args.interventions!r}")
@@ -97,7 +111,7 @@ def preflight(args, stream, error) -> list[str]:
         outputs = args.flow_outputs or list(range(n0))
         bad = [o for o in outputs if not 0 <= o < n0]
         if bad:
-            raise error(f"--flow-outputs must be positions in [0, {n0 - 1}] (window 0), got {bad}")
+            raise error(f"--flow-outputs must be positions in [0, {n0 - 1}] (window {k}), got {bad}")
         work = flow.flow_work(stream.model.n_layers, n0, len(outputs))
         if work > flow.MAX_FLOW_WORK:
             fit = int(flow.MAX_FLOW_WORK // flow.flow_work(stream.model.n_layers, n0, 1))
@@ -113,14 +127,17 @@ def preflight(args, stream, error) -> list[str]:
         args._lm = load_with_lm_head(stream.model.path, device=stream.device)  # worded error without a head
     if w.n_windows > 1 and (args.flow or args.interventions or args.faithfulness):
         notes.append(
-            "--flow/--interventions/--faithfulness describe window 0 only "
-            f"(the text has {w.n_windows} windows)"
+            f"--flow/--interventions/--faithfulness describe window {k} only "
+            f"(the text has {w.n_windows} windows; choose another with --window-index)"
         )
     return notes
 
 
 def per_window(args, result, tmp: Path, first: bool) -> list[str]:
-    """Per-window outputs (sinks.csv rows); -> files written the first time."""
+    """Per-window outputs (sinks.csv rows); -> files written the first time. Keeps the result of window
+    ``--window-index`` for :func:`finish`."""
+    if result.window.index == getattr(args, "window_index", 0):
+        args._chosen = result
     if not args.sinks:
         return []
     result.sinks(which=args.sink_keys).to_csv(tmp / "sinks.csv", mode="a", header=first, index=False)
@@ -128,7 +145,8 @@ def per_window(args, result, tmp: Path, first: bool) -> list[str]:
 
 
 def finish(args, stream, result, tmp: Path) -> tuple[list[str], list[str], dict]:
-    """Window-0 analyses -> (files written, notes, figures {name: plotly figure})."""
+    """Analyses of window ``--window-index`` -> (files written, notes, figures {name: plotly figure}).
+    ``result``: the first window's (the chosen one's, kept by :func:`per_window`, is used instead)."""
     import numpy as np
     import pandas as pd
     import torch
@@ -140,21 +158,27 @@ def finish(args, stream, result, tmp: Path) -> tuple[list[str], list[str], dict]
     written, notes, figures = [], [], {}
     if args.contributions:
         figures["contributions"] = fig.weight_vs_contribution(result.table()).figure
+    result = getattr(args, "_chosen", None) or result
+    k = result.window.index
     if args.sinks:
         figures["sinks"] = fig.sink_mass_by_layer(pd.read_csv(tmp / "sinks.csv")).figure
     if args.flow:
         outputs = args.flow_outputs or list(range(len(result.tokens)))
         arrays = {v: flow.attention_flow(w, outputs).numpy() for v, w in result.weights.items()}
-        np.savez(tmp / "flow.npz", outputs=np.array(outputs), tokens=np.array(result.tokens), **arrays)
+        np.savez(tmp / "flow.npz", outputs=np.array(outputs), tokens=np.array(result.tokens),
+                 window=np.array(k), **arrays)
         written.append("flow.npz")
-        figures["flow"] = fig.flow_heatmap(arrays, result.tokens, outputs).figure
+        bundle = fig.flow_heatmap(arrays, result.tokens, outputs, title=f"Attention flow (window {k})")
+        figures["flow"] = bundle.figure
     if args.interventions:
         model = getattr(args, "_lm", None) or stream.loaded
         ids = torch.tensor([result.window.input_ids])
         res = interventions.head_interventions(
             model, ids, args.interventions, _scalars(stream.params), progress=not args.quiet
         )
-        res.table().to_csv(tmp / "interventions.csv", index=False)
+        res.table().assign(window=k)[["window", *res.table().columns]].to_csv(
+            tmp / "interventions.csv", index=False
+        )
         written.append("interventions.csv")
         figures["interventions"] = fig.intervention_heatmap(res.measures, args.interventions).figure
     if args.faithfulness:
@@ -162,7 +186,8 @@ def finish(args, stream, result, tmp: Path) -> tuple[list[str], list[str], dict]
         res = faithfulness.faithfulness(
             stream.loaded, result.window, stream.variants, dict.fromkeys(stream.variants, given)
         )
-        res.table.to_csv(tmp / "faithfulness.csv", index=False)
+        table = res.table.assign(window=k)[["window", *res.table.columns]]
+        table.to_csv(tmp / "faithfulness.csv", index=False)
         written.append("faithfulness.csv")
         notes += res.notes
         figures["faithfulness"] = fig.faithfulness_bars(res.table).figure
@@ -181,4 +206,5 @@ def manifest_settings(args) -> dict:
         "flow_outputs": (args.flow_outputs or "all") if args.flow else None,
         "interventions": args.interventions,
         "faithfulness": bool(args.faithfulness),
+        "window_index": args.window_index if (args.flow or args.interventions or args.faithfulness) else None,
     }

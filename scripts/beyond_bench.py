@@ -2,6 +2,7 @@
 
     python scripts/beyond_bench.py results  # KJV paragraphs: contributions, sinks, DNAS swaps, faithfulness
     python scripts/beyond_bench.py bench    # 512 tokens: contribution overhead, 72 interventions, peak RSS
+    python scripts/beyond_bench.py interventions  # 512 tokens: the 72 DNAS swaps alone, vs a plain forward
 
 Each part prints Markdown-ready lines. Timings are medians of ``--repeat`` runs measured side by side
 in one process; peak memory is the process' maximum resident set (ru_maxrss) after each part.
@@ -59,7 +60,7 @@ def _median(fn, repeat: int) -> float:
 def results(chars: int) -> None:
     m = hf.load_model(None)
     text = data.load_corpus("kjv", max_chars=chars)
-    r = hf.analyze(text, m, contributions=True)
+    r = hf.analyze(text, m, variants=VARIANTS, contributions=True)  # every registered variant
     print(
         f"text: first {chars} characters of the KJV corpus, {r.n_windows} windows of "
         f"{r.windowing.window} tokens"
@@ -90,6 +91,7 @@ def results(chars: int) -> None:
     sink = pd.concat([w.sinks() for w in r.windows])
     for stat in ("sink_mass_first", "sink_mass_special", "explained_away_relative_no_sinks"):
         piv = sink[sink.statistic == stat].groupby(["variant", "layer"]).value.mean().unstack()
+        piv = piv.reindex([v for v in VARIANTS if v in piv.index])
         print(f"\n{stat} (mean over heads, rows, windows), rows = variant, columns = layer")
         print(_md(piv))
     t = r.table()
@@ -187,14 +189,43 @@ def bench(repeat: int, interventions_too: bool = True) -> None:
     )
 
 
+def bench_interventions(repeat: int) -> None:
+    """All L x H heads of MiniLM swapped to DNAS at 512 tokens, against a plain forward (interleaved);
+    peak RSS of this process (fresh: the model and the interventions only)."""
+    m = hf.load_model(None)
+    text = data.load_corpus("kjv", max_chars=6000)
+    ids = m.tokenizer(text, truncation=True, max_length=512, return_tensors="pt")["input_ids"]
+    assert ids.shape[1] == 512
+    L, H = m.info.n_layers, m.info.n_heads
+    print(f"threads: {torch.get_num_threads()}, load average: {os.getloadavg()}")
+    print(f"RSS after loading: {_rss_mb():.0f} MB")
+
+    def plain():
+        with torch.no_grad():
+            m.model(input_ids=ids)
+
+    plain()
+    t_plain, t_iv = _interleaved((plain, lambda: interventions.head_interventions(m, ids, "dnas")), repeat)
+    print(
+        f"plain forward {t_plain * 1e3:.0f} ms; interventions, all {L * H} heads to DNAS at 512 tokens: "
+        f"{t_iv:.1f} s = {t_iv / t_plain:.1f}x a plain forward (medians of {repeat}); "
+        f"peak RSS {_rss_mb():.0f} MB; load average after: {os.getloadavg()}"
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("part", choices=("results", "bench"))
+    p.add_argument("part", choices=("results", "bench", "interventions"))
     p.add_argument("--chars", type=int, default=4000, help="characters of the KJV corpus for results")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--no-interventions", action="store_true", help="bench: skip the interventions and flow")
     a = p.parse_args()
-    results(a.chars) if a.part == "results" else bench(a.repeat, not a.no_interventions)
+    if a.part == "results":
+        results(a.chars)
+    elif a.part == "interventions":
+        bench_interventions(a.repeat)
+    else:
+        bench(a.repeat, not a.no_interventions)
 
 
 if __name__ == "__main__":

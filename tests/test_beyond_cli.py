@@ -67,6 +67,7 @@ def test_every_beyond_output_is_written_and_listed(tmp_path, capsys, tiny_model_
         "flow_outputs": [0, 3],
         "interventions": "dnas",
         "faithfulness": True,
+        "window_index": 0,
     }
     stats_ = pd.read_csv(out / "statistics.csv")
     assert set(contributions.CONTRIBUTION_STATISTICS) <= set(stats_.statistic)
@@ -92,6 +93,8 @@ def test_sink_choices_match_the_library():
         (["--flow-outputs", "1"], "needs --flow"),
         (["--flow", "--flow-outputs", "999"], "must be positions in"),
         (["--interventions", "softmax"], "--interventions must be one of"),
+        (["--interventions", "dnas", "--window-index", "2"], "--window-index must be in [0, 1]: the text"),
+        (["--faithfulness", "--window-index", "-1"], "--window-index must be >= 0"),
     ],
 )
 def test_bad_beyond_flags_fail_with_a_message_and_leave_nothing(tmp_path, capsys, minilm, extra, message):
@@ -121,3 +124,28 @@ def test_interventions_on_a_causal_model_without_lm_head_is_refused(tmp_path, ca
     )
     assert rc == 2 and "no LM head" in err, err
     assert not out.exists()
+
+
+@pytest.mark.slow
+def test_window_index_picks_the_window_flow_interventions_and_faithfulness_describe(
+    tmp_path, capsys, tiny_model_dir
+):
+    from attnlab import flow, hf
+
+    text = " ".join([TEXT] * 12)  # several 64-token windows of the tiny model
+    model = tiny_model_dir("bert")
+    out = tmp_path / "out"
+    argv = [_src(tmp_path, text), "--model", model, "--out", out, "--quiet", "--formats", "none",
+            "--variants", "unas,dnas", "--flow", "--flow-outputs", "0,2", "--interventions", "dnas",
+            "--faithfulness", "--window-index", "1"]
+    rc, err = _run(argv, capsys)
+    assert rc == 0, err
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["settings"]["beyond"]["window_index"] == 1
+    assert any("describe window 1 only" in n for n in manifest["notes"])
+    window = hf.stream_analysis(text, hf.load_model(model), ("unas", "dnas")).window(1)
+    flows = np.load(out / "flow.npz")
+    assert int(flows["window"]) == 1 and flows["tokens"].tolist() == window.tokens
+    np.testing.assert_allclose(flows["dnas"], flow.attention_flow(window.weights["dnas"], [0, 2]).numpy())
+    assert set(pd.read_csv(out / "interventions.csv").window) == {1}
+    assert set(pd.read_csv(out / "faithfulness.csv").window) == {1}

@@ -209,3 +209,105 @@ def test_faithfulness_bad_inputs(tiny_model_dir):
         fa.faithfulness(loaded, TEXT, measures=("attention",))
     with pytest.raises(ValueError, match="variants must be among"):
         fa.faithfulness(loaded, TEXT, variants=("nope",))
+
+
+# ----------------------------------------------------------------------------------------------
+# Batched swaps = one head at a time, for every head; what the batching skips; windows
+# ----------------------------------------------------------------------------------------------
+
+LONG = " ".join(CORPUS * 6)  # several 64-token windows of the tiny models
+
+
+def _reference_map(loaded, ids, lm: bool) -> dict[str, torch.Tensor]:
+    """Every (layer, head) swapped literally, one full forward each."""
+    L, H = loaded.info.n_layers, loaded.info.n_heads
+    base = _reference_run(loaded.model, ids, None, "dnas", lm=lm)
+    names = iv.LM_MEASURES if lm else iv.ENCODER_MEASURES
+    out = {name: torch.zeros(L, H, dtype=torch.float64) for name in names}
+    cos = torch.nn.functional.cosine_similarity
+    for layer in range(L):
+        for head in range(H):
+            y = _reference_run(loaded.model, ids, (layer, head), "dnas", lm=lm)
+            if lm:
+                out["loglik_change"][layer, head] = y - base
+            else:
+                out["hidden_cosine"][layer, head] = (1 - cos(y, base, dim=-1)).mean()
+                out["pooled_cosine"][layer, head] = 1 - cos(y.mean(0), base.mean(0), dim=0)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["bert", "gpt2", "llama"])
+def test_batched_swaps_equal_one_head_at_a_time_for_every_head(sharp_dir, lm_dirs, arch):
+    lm = arch in lm_dirs
+    loaded = iv.load_with_lm_head(lm_dirs[arch]) if lm else hf.load_model(sharp_dir(arch))
+    ids = loaded.tokenizer(CORPUS[1], return_tensors="pt")["input_ids"]
+    expected = _reference_map(loaded, ids, lm)
+    for batch_size in (1, 3, None):  # one head per forward, heads split unevenly, a whole layer
+        result = iv.head_interventions(loaded, ids, "dnas", batch_size=batch_size)
+        for name, m in expected.items():
+            torch.testing.assert_close(result.measures[name], m, atol=1e-6 if not lm else 1e-5, rtol=0)
+    assert float(next(iter(expected.values())).abs().max()) > 1e-4  # the swaps do change the output
+
+
+def test_swaps_skip_the_layers_below_and_share_the_swapped_layers_projections(sharp_dir):
+    loaded = hf.load_model(sharp_dir("bert"))
+    layers = loaded.model.encoder.layer  # 2 layers x 4 heads
+    calls = {0: [], 1: []}
+    hooks = [
+        layers[i].attention.self.query.register_forward_hook(
+            lambda _m, _i, out, i=i: calls[i].append((out.shape[0], out.stride(0)))
+        )
+        for i in (0, 1)
+    ]
+    try:
+        iv.head_interventions(loaded, TEXT, "dnas", batch_size=2)
+    finally:
+        for h in hooks:
+            h.remove()
+    # layer 0: the unmodified forward, then its 2 swap batches (computed once per batch: stride 0);
+    # layer 1: the unmodified forward, layer 0's 2 batches (4 different rows each), its own 2 batches
+    assert calls[0] == [(1, calls[0][0][1]), (2, 0), (2, 0)]
+    assert [b for b, _ in calls[1]] == [1, 2, 2, 2, 2]
+    assert [s == 0 for _, s in calls[1][1:]] == [False, False, True, True]
+
+
+def test_interventions_describe_the_chosen_window(sharp_dir):
+    loaded = hf.load_model(sharp_dir("bert"))
+    stream = hf.stream_analysis(LONG, loaded, ("unas",))
+    assert stream.windowing.n_windows >= 3
+    win = stream.window(2).window
+    by_index = iv.head_interventions(loaded, LONG, "dnas", window_index=2)
+    by_ids = iv.head_interventions(loaded, torch.tensor([win.input_ids]), "dnas")
+    by_window = iv.head_interventions(loaded, win, "dnas")
+    assert by_index.tokens == win.tokens
+    for name in iv.ENCODER_MEASURES:
+        torch.testing.assert_close(by_index.measures[name], by_ids.measures[name], atol=0, rtol=0)
+        torch.testing.assert_close(by_window.measures[name], by_ids.measures[name], atol=0, rtol=0)
+    n = stream.windowing.n_windows
+    with pytest.raises(ValueError, match=rf"window_index must be an integer in \[0, {n - 1}\].*{n} window"):
+        iv.head_interventions(loaded, LONG, "dnas", window_index=n)
+    with pytest.raises(ValueError, match="window_index"):
+        iv.head_interventions(loaded, LONG, "dnas", window_index=-1)
+
+
+def test_faithfulness_and_flow_describe_the_chosen_window(tiny_model_dir):
+    from attnlab import flow
+    from attnlab.hf.one_window import text_window, window_flow
+
+    loaded = hf.load_model(tiny_model_dir("bert"))
+    stream = hf.stream_analysis(LONG, loaded, ("unas", "dnas"))
+    n = stream.windowing.n_windows
+    win = text_window(loaded, LONG, 1)
+    assert win.input_ids == stream.window(1).window.input_ids
+    a = fa.faithfulness(loaded, LONG, ("dnas",), measures=("column_mass",), window_index=1)
+    b = fa.faithfulness(loaded, win, ("dnas",), measures=("column_mass",))
+    assert a.tokens == b.tokens and a.table.tau.tolist() == b.table.tau.tolist()
+    with pytest.raises(ValueError, match=rf"window_index must be an integer in \[0, {n - 1}\]"):
+        fa.faithfulness(loaded, LONG, ("dnas",), window_index=n)
+    f, w = window_flow(loaded, LONG, "dnas", [0, 3], window_index=1)
+    expect = flow.attention_flow(stream.window(1).weights["dnas"], [0, 3])
+    assert w.index == 1 and torch.equal(f, expect)
+    with pytest.raises(ValueError, match="window_index"):
+        window_flow(loaded, LONG, "dnas", [0], window_index=n)
+    with pytest.raises(ValueError, match="outputs: the flow of 6400 output.*over attnlab.flow.MAX_FLOW_WORK"):
+        window_flow(loaded, LONG, "dnas", list(range(64)) * 100, window_index=0)

@@ -10,6 +10,7 @@ import pandas as pd
 import streamlit as st
 import torch
 
+import attnlab
 from appkit.analysis import WindowView
 from appkit.show import show_bundle
 from appkit.sources import load
@@ -128,12 +129,17 @@ def _flow(key: str, variant: str, output: int, _view: WindowView) -> FigureBundl
 def intervention_result(key: str, variant: str, _view: WindowView) -> interventions.InterventionResult:
     """Every head of the window swapped to ``variant`` in turn (cached per analysis and variant)."""
     loaded = _hf_model(_view, lm_head=True)
+    given = {"u": _view.settings.u}  # the page's settings, as far as they apply (causal: iters = 1)
+    if not loaded.info.causal:
+        given["iters"] = _view.settings.iters
+    params = {p.name: given[p.name] for p in attnlab.variant_spec(variant).params if p.name in given}
     bar = st.progress(0.0, text=f"Swapping each head to {variant}…")
     try:
         return interventions.head_interventions(
             loaded,
-            torch.tensor([_view.input_ids]),
+            torch.tensor([_view.input_ids]),  # the window chosen on the page
             variant,
+            params,
             on_progress=lambda done, total: bar.progress(done / total),
         )
     finally:

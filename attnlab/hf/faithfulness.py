@@ -109,21 +109,19 @@ def _leave_one_out(net, ids, positions, batch_size) -> torch.Tensor:
     return torch.cat(out).cpu()
 
 
-def _tokens(loaded: LoadedModel, text) -> tuple[torch.Tensor, list[bool]]:
-    """(input ids (1, N) on the model's device, special-token flags) of a text or an analysed Window."""
+def _tokens(loaded: LoadedModel, text, window_index: int, window, overlap) -> tuple[torch.Tensor, list]:
+    """(input ids (1, N) on the model's device, special-token flags) of an analysed Window, or of window
+    ``window_index`` of a text (cut as analyze cuts it)."""
+    from attnlab.hf.one_window import text_window
     from attnlab.hf.windows import Window
 
-    if isinstance(text, Window):
-        return torch.tensor([text.input_ids], device=loaded.device), [bool(x) for x in text.special]
-    if not isinstance(text, str) or not text.strip():
-        raise ValueError(
-            "text must be a non-empty str (or an attnlab.hf.Window); there is nothing to leave out"
-        )
-    enc = loaded.tokenizer(
-        text, truncation=True, max_length=loaded.info.max_length, return_special_tokens_mask=True
-    )
-    special = enc.get("special_tokens_mask") or [0] * len(enc["input_ids"])
-    return torch.tensor([enc["input_ids"]], device=loaded.device), [bool(x) for x in special]
+    if not isinstance(text, Window):
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(
+                "text must be a non-empty str (or an attnlab.hf.Window); there is nothing to leave out"
+            )
+        text = text_window(loaded, text, window_index, window=window, overlap=overlap)
+    return torch.tensor([text.input_ids], device=loaded.device), [bool(x) for x in text.special]
 
 
 def faithfulness(
@@ -133,6 +131,9 @@ def faithfulness(
     params: Mapping[str, Mapping] | None = None,
     *,
     measures: Sequence[str] = MEASURES,
+    window_index: int = 0,
+    window: int | None = None,
+    overlap: int | None = None,
     batch_size: int = 16,
     device=None,
 ) -> FaithfulnessResult:
@@ -140,13 +141,15 @@ def faithfulness(
 
     Args:
         model: a LoadedModel, a model directory or None (the embedded MiniLM).
-        text: the text (one window: tokenized with special tokens, truncated to the model's max length),
-            or a :class:`attnlab.hf.Window` of an analysis (its ids and special-token flags).
+        text: a text, or a :class:`attnlab.hf.Window` of an analysis (its ids and special-token flags).
+        window_index: for a text, which of its windows (0-based, cut as :func:`attnlab.hf.analyze` cuts
+            them: ``window`` tokens each, ``overlap`` shared); ValueError for one the text lacks.
         variants: registered variants; params: {variant: its parameters} (defaults for the rest).
         measures: any of ``MEASURES``.
         batch_size: masked copies of the text per forward.
 
-    Raises ValueError for an empty text or one with fewer than 2 text tokens (nothing to rank).
+    Raises ValueError for an empty text, a window the text lacks, or one with fewer than 2 text tokens
+    (nothing to rank).
     """
     from scipy.stats import kendalltau
 
@@ -162,7 +165,7 @@ def faithfulness(
         raise ValueError(f"measures must be a non-empty subset of {MEASURES}, got {list(measures)!r}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-    ids, special = _tokens(loaded, text)  # (1, N), N flags
+    ids, special = _tokens(loaded, text, window_index, window, overlap)  # (1, N), N flags
     positions = [i for i, sp in enumerate(special) if not sp]
     if len(positions) < 2:
         raise ValueError(
