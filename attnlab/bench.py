@@ -199,7 +199,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("what", choices=["attention", "analysis", "training", "corpus"],
                         help="which benchmark")
     parser.add_argument("--memory-tokens", default="100000,1000000", help="corpus: tokens of the RSS runs")
-    parser.add_argument("--memory-model", default=None, help="corpus: model of the RSS runs (default MiniLM)")
+    parser.add_argument("--memory-model", default="tiny",
+                        help="corpus: RSS runs model: tiny (2-layer BERT, default), minilm or a directory")
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="sequence lengths (attention)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
@@ -227,9 +228,9 @@ def run(args: argparse.Namespace) -> int:
     elif args.what == "corpus":
         from attnlab.corpus.benchmark import benchmark_corpus
 
-        tokens = tuple(int(t) for t in args.memory_tokens.split(",") if t)
+        tokens = () if args.no_memory else tuple(int(t) for t in args.memory_tokens.split(",") if t)
         res = benchmark_corpus(repeats=max(1, min(args.repeats, 2)), memory_tokens=tokens,
-                               memory_model=args.memory_model)
+                               memory_model=None if args.memory_model == "minilm" else args.memory_model)
         print(json.dumps(res, indent=2, default=str))
     else:
         from attnlab.train.config import load_recipe

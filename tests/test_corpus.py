@@ -194,6 +194,37 @@ def test_every_document_once_and_summary_from_rows(small_run):
     assert open_result(result.out).manifest["n_documents"] == 4
 
 
+def _summary_from_all_rows(rows, resamples, seed):
+    """The summary computed the direct way, from every row at once (the reference of the streamed one)."""
+    from attnlab.corpus.summary import ALL_HEADS, _describe
+
+    frames = []
+    for variant in rows["variant"].unique():
+        part = rows[rows["variant"] == variant]
+        means = part.groupby(["doc_index", "statistic", "layer", "head"])["value"].mean()
+        layer = means.groupby(level=["doc_index", "statistic", "layer"]).mean().reset_index()
+        both = pd.concat([means.reset_index(), layer.assign(head=ALL_HEADS)])
+        wide = both.pivot_table(index="doc_index", columns=["statistic", "layer", "head"], values="value",
+                                aggfunc="first").sort_index(axis=1)
+        stats = _describe(wide.to_numpy(np.float64), bootstrap_counts(len(wide), resamples, seed))
+        windows = part.groupby("doc_index")["window"].nunique().reindex(wide.index).to_numpy()
+        keys = wide.columns.to_frame(index=False)
+        frames.append(keys.assign(variant=variant, **stats,
+                                  n_windows=(~np.isnan(wide.to_numpy()) * windows[:, None]).sum(0)))
+    return pd.concat(frames, ignore_index=True)
+
+
+def test_streamed_summary_equals_the_all_rows_summary(small_run):
+    _, result = small_run
+    got = summarize(result.rows, 300, 3)
+    ref = _summary_from_all_rows(result.table(), 300, 3)
+    key = ["variant", "layer", "head", "statistic"]
+    ref = ref.astype({"layer": np.int64, "head": np.int64, "n_documents": np.int64, "n_windows": np.int64})
+    ref = ref.set_index(key).loc[got.set_index(key).index].reset_index()[list(got.columns)]
+    assert len(got) == len(ref) and (got["head"] == -1).any()
+    pd.testing.assert_frame_equal(got, ref, check_exact=True)
+
+
 @pytest.mark.slow  # three small runs
 def test_resume_skips_done_shards_and_mismatch_is_refused(small_run, tmp_path):
     root, result = small_run

@@ -135,5 +135,11 @@ def test_unreachable_ray_address_fails_within_seconds(tmp_path):
     # no route: the TCP probe refuses; a network that accepts every connection (a proxy): the GCS
     # connection times out
     assert re.search(r"ray_address '10.255.255.1:6379'(: Failed to connect| is unreachable)", res.stderr)
-    assert elapsed < 60, elapsed  # a hang would run into the 120 s timeout
+    # a hang would run into the 120 s timeout; the start-up of a process importing the same
+    # modules (torch, transformers, ray) is taken off, since a loaded machine makes it tens of seconds
+    t1 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import attnlab.cli, attnlab.hf, ray, transformers"], env=_env(),
+                   cwd=REPO, check=True, timeout=300)
+    start_up = time.perf_counter() - t1
+    assert elapsed - start_up < 45, (elapsed, start_up)
     assert not (tmp_path / "r").exists()

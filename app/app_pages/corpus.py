@@ -31,17 +31,19 @@ with st.expander("New corpus run", expanded=not corpus_runs.list_runs()), st.for
     upload = st.file_uploader("Upload .jsonl / .csv / .parquet, or a .zip of .txt files", key=f"{P}_upload",
                               type=["jsonl", "csv", "parquet", "zip"])
     path = st.text_input("Server path (folder of .txt/.md, or a .jsonl/.csv/.parquet file)", key=f"{P}_path")
-    a, b, c, d = st.columns(4)
+    a, b, c, d, e = st.columns(5)
     variants = a.multiselect("Variants", list(attnlab.VARIANTS), default=list(attnlab.VARIANTS),
                              key=f"{P}_variants")
     window = b.number_input("Window (tokens)", 8, 512, 128, key=f"{P}_window")
     max_docs = c.number_input("Max documents (0 = all)", 0, 10_000_000, 100, key=f"{P}_max_docs")
-    column = d.text_input("Text column", "text", key=f"{P}_column")
+    shard_docs = d.number_input("Documents per shard", 1, 10_000, 8, key=f"{P}_shard_docs",
+                                help="the unit of progress and of resume: a Stop keeps finished shards")
+    column = e.text_input("Text column", "text", key=f"{P}_column")
     submitted = st.form_submit_button("Start", type="primary")
 
 if submitted:
     config = {"variants": variants, "window": int(window), "max_docs": int(max_docs) or None,
-              "text_column": column, "overlap": 0}
+              "text_column": column, "overlap": 0, "shard_docs": int(shard_docs)}
     try:
         started = corpus_runs.start(
             name.strip(), config,

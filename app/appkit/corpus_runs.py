@@ -108,7 +108,7 @@ def command(run_dir: Path, config: dict, source: str) -> list[str]:
            "--quiet", "--text-column", config.get("text_column") or "text"]
     if config.get("variants"):
         cmd += ["--variants", ",".join(config["variants"])]
-    for key in ("window", "overlap", "max_docs", "id_column"):
+    for key in ("window", "overlap", "max_docs", "id_column", "shard_docs"):
         if config.get(key) not in (None, ""):
             cmd += [f"--{key.replace('_', '-')}", str(config[key])]
     for name, value in (config.get("params") or {}).items():

@@ -120,6 +120,7 @@ def analyze_corpus(source, model=None, variants=None, mode: str = "recompute", *
         from attnlab.corpus import ray_engine
 
         cluster = ray_engine.connect(ray_address, workers)
+    t_prepare = time.perf_counter()
     run = job.prepare(source, out, settings, text_column=text_column, id_column=id_column,
                       overwrite=overwrite, device=device if engine == "local" else "cpu", progress=progress)
     t0 = time.perf_counter()
@@ -127,11 +128,14 @@ def analyze_corpus(source, model=None, variants=None, mode: str = "recompute", *
         stats = job.run_local(run, progress=progress)
     else:
         stats = ray_engine.run_ray(run, cluster, workers, progress=progress)
+    t_summary = time.perf_counter()
     summary = summarize(run.out / "rows", resamples=bootstrap, seed=seed)
     job.write_parquet(summary, run.out / "summary.parquet")
     summary.to_csv(run.out / "summary.csv", index=False)
+    t1 = time.perf_counter()
     manifest = {**run.manifest, "engine": engine, "workers": workers,
-                "last_run": {**stats, "wall_s": time.perf_counter() - t0, "finished": time.time()}}
+                "last_run": {**stats, "prepare_s": t0 - t_prepare, "summary_s": t1 - t_summary,
+                             "wall_s": t1 - t0, "finished": time.time()}}
     job.write_json(run.out / job.MANIFEST, manifest)
     job.Progress.final(run.out, engine)
     return CorpusResult(run.out, manifest)

@@ -320,7 +320,7 @@ def run_local(run: CorpusRun, progress: bool = False) -> dict:
     pending = run.pending()
     bar = Progress(run, pending, progress, "local")
     tokens = 0
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     try:
         for shard, docs in run.texts(pending):
             table, n_tokens = analyse_documents(run.loaded, docs, run.row_settings(), run.bins)
@@ -331,4 +331,5 @@ def run_local(run: CorpusRun, progress: bool = False) -> dict:
         bar.close("interrupted")
         raise
     bar.close("analysed")
-    return {"shards": len(pending), "tokens": tokens, "s": time.perf_counter() - t0}
+    return {"shards": len(pending), "tokens": tokens, "s": time.perf_counter() - t0,
+            "cpu_s": time.process_time() - cpu0}

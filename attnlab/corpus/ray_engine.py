@@ -109,14 +109,22 @@ def connect(address: str | None, workers: int) -> Cluster:
 class ShardAnalyzer:
     """Ray Data callable class: the model is loaded once per actor; one batch = one shard."""
 
-    def __init__(self, out: str, model: str | None, settings: dict, bins, threads: int, device: str):
+    def __init__(self, out: str, model: str | None, settings: dict, threads: int, device: str):
+        import numpy as np
         import torch
 
+        from attnlab.corpus.job import COUNTS
+        from attnlab.corpus.token_classes import frequency_bins
         from attnlab.hf import load_model
 
         torch.set_num_threads(threads)
-        self.out, self.settings, self.bins = out, settings, bins
+        self.out, self.settings = out, settings
+        # the counting pass's frequencies, read from the run directory (which every worker sees):
+        # small constructor arguments only, nothing in the object store that a restart would need
+        counts = np.load(os.path.join(out, COUNTS), allow_pickle=False)
+        self.bins = frequency_bins(counts, settings["n_bins"])
         self.loaded = load_model(model, device=device)
+        self.ready = time.time()  # start-up done: imports, model loaded (wall clock, for the driver)
         marker = os.environ.get("ATTNLAB_CORPUS_PID_DIR")  # tests: where actors say who they are
         if marker:
             open(os.path.join(marker, f"{os.getpid()}.pid"), "w").close()
@@ -125,21 +133,22 @@ class ShardAnalyzer:
         from attnlab.corpus.rows import analyse_documents, write_shard
         from attnlab.corpus.sources import split_parts
 
-        shards, tokens, pids = [], [], []
+        out = {"shard": [], "tokens": [], "pid": [], "ready": [], "begin": [], "end": [], "cpu": []}
         part_chars = self.settings["part_chars"]
         for shard, docs_json in zip(batch["shard"], batch["docs"], strict=True):
+            begin, cpu = time.time(), time.process_time()
             docs = [(i, doc_id, split_parts(text, part_chars)) for i, doc_id, text in json.loads(docs_json)]
             table, n_tokens = analyse_documents(self.loaded, docs, self.settings, self.bins)
             write_shard(self.out, int(shard), table)
-            shards.append(int(shard))
-            tokens.append(n_tokens)
-            pids.append(os.getpid())
-        return {"shard": shards, "tokens": tokens, "pid": pids}
+            for key, value in (("shard", int(shard)), ("tokens", n_tokens), ("pid", os.getpid()),
+                               ("ready", self.ready), ("begin", begin), ("end", time.time()),
+                               ("cpu", time.process_time() - cpu)):
+                out[key].append(value)
+        return out
 
 
 def run_ray(run, cluster: Cluster, workers: int, progress: bool = False, threads: int = 1) -> dict:
     """Analyse the pending shards of ``run`` on ``workers`` Ray actors; -> {"shards", "tokens", "s"}."""
-    import numpy as np
     import ray.data
 
     from attnlab.corpus.job import Progress
@@ -157,7 +166,7 @@ def run_ray(run, cluster: Cluster, workers: int, progress: bool = False, threads
     ds = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
         ShardAnalyzer,
         fn_constructor_kwargs=dict(out=str(run.out.resolve()), model=run.settings.model, settings=settings,
-                                   bins=np.asarray(run.bins), threads=threads,
+                                   threads=threads,
                                    device="cuda" if gpus else "cpu"),
         batch_size=1,
         compute=ray.data.ActorPoolStrategy(size=workers),
@@ -166,13 +175,15 @@ def run_ray(run, cluster: Cluster, workers: int, progress: bool = False, threads
         max_restarts=-1,
         max_task_retries=-1,
     )
-    tokens, done = 0, set()
+    tokens, done, records = 0, set(), []
+    wall0, cpu0 = time.time(), time.process_time()
     try:
         for record in ds.iter_rows():
             shard = int(record["shard"])
             if shard in done:
                 continue
             done.add(shard)
+            records.append(record)
             tokens += int(record["tokens"])
             bar.shard_done(shard, int(record["tokens"]))
     except BaseException:
@@ -183,4 +194,24 @@ def run_ray(run, cluster: Cluster, workers: int, progress: bool = False, threads
     if missing:
         raise RuntimeError(f"Ray finished without shards {missing[:5]}; run the same command again")
     return {"shards": len(pending), "tokens": tokens, "s": time.perf_counter() - t0,
-            "ray_init_s": cluster.started_s}
+            "ray_init_s": cluster.started_s, "driver_cpu_s": time.process_time() - cpu0,
+            **_phases(records, wall0, time.time())}
+
+
+def _phases(records: list[dict], start: float, stop: float) -> dict:
+    """Start-up and steady state of a Ray run from the actors' records (wall-clock times).
+
+    startup_s: from the dataset's start to the first actor ready (its imports and model load done:
+    no shard can start before); all_ready_s: to the last actor ready; steady_s: from the first actor
+    ready to the end (so it errs on the long side); busy_s: seconds the actors spent in shards, cpu_s:
+    their CPU time there (threads summed);
+    actors: distinct processes that analysed shards (a restarted actor is a new one).
+    """
+    if not records:
+        return {}
+    ready = min(float(r["ready"]) for r in records)
+    return {"startup_s": max(0.0, ready - start), "steady_s": max(0.0, stop - ready),
+            "all_ready_s": max(0.0, max(float(r["ready"]) for r in records) - start),
+            "busy_s": sum(float(r["end"]) - float(r["begin"]) for r in records),
+            "cpu_s": sum(float(r["cpu"]) for r in records),
+            "actors": len({int(r["pid"]) for r in records})}

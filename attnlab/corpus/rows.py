@@ -76,16 +76,20 @@ def analyse_documents(loaded, documents: Iterable[tuple[int, str, Iterable[str]]
     doc_id, parts), and the tokens of all its windows (special tokens and overlaps included).
 
     ``settings``: the run's settings (variants, mode, params, window, overlap, n_bins).
-    ``on_window(n_tokens)`` is called after every window (progress).
+    ``on_window(n_tokens)`` is called after every window (progress). The columns of every window are
+    numpy arrays, joined and turned into one Arrow table per call (per shard).
     """
     import pyarrow as pa
 
     from attnlab.hf import stream_analysis
 
     params = settings["params"]
-    tables, window_tokens = [], 0
+    blocks: dict[str, list[np.ndarray]] = {name: [] for name in schema().names}
+    doc_ids: list[str] = []
+    window_tokens = 0
     for doc_index, doc_id, parts in documents:
         window_base = 0
+        doc_ids.append(doc_id)
         for part in parts:
             if not part.strip():
                 continue
@@ -95,22 +99,22 @@ def analyse_documents(loaded, documents: Iterable[tuple[int, str, Iterable[str]]
                 cols = _window_columns(result, bins, settings["n_bins"])
                 n = len(cols["value"])
                 n_tokens = len(result.tokens)
-                tables.append(pa.table({
-                    "doc_index": pa.array(np.full(n, doc_index, np.int32)),
-                    "doc_id": pa.array([doc_id] * n, pa.string()),
-                    "window": pa.array(np.full(n, window_base + result.index, np.int32)),
-                    "n_tokens": pa.array(np.full(n, n_tokens, np.int32)),
-                    "variant": pa.array(cols["variant"], pa.string()),
-                    "layer": pa.array(cols["layer"]),
-                    "head": pa.array(cols["head"]),
-                    "statistic": pa.array(cols["statistic"], pa.string()),
-                    "value": pa.array(cols["value"]),
-                }, schema=schema()))
+                cols["doc_index"] = np.full(n, doc_index, np.int32)
+                cols["doc_id"] = np.full(n, len(doc_ids) - 1, np.int32)  # index into doc_ids
+                cols["window"] = np.full(n, window_base + result.index, np.int32)
+                cols["n_tokens"] = np.full(n, n_tokens, np.int32)
+                for name, values in cols.items():
+                    blocks[name].append(values)
                 window_tokens += n_tokens
                 if on_window is not None:
                     on_window(n_tokens)
             window_base += len(stream)
-    return (pa.concat_tables(tables) if tables else schema().empty_table()), window_tokens
+    if not blocks["value"]:
+        return schema().empty_table(), window_tokens
+    columns = {name: np.concatenate(values) for name, values in blocks.items()}
+    columns["doc_id"] = np.asarray(doc_ids, dtype=object)[columns["doc_id"]]
+    arrays = [pa.array(columns[f.name], f.type) for f in schema()]
+    return pa.Table.from_arrays(arrays, schema=schema()), window_tokens
 
 
 def document_parts(text: str, part_chars: int):

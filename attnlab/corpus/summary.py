@@ -11,7 +11,9 @@ source, so the result does not depend on which engine or shard order wrote the r
                                                      seeded with ``seed`` (identical every run)
 
 ``head = -1`` rows describe the mean over a layer's heads (per document, then over documents):
-the per-layer curves. Memory: one variant's (documents x layers*heads*statistics) matrix at a time.
+the per-layer curves. Memory: the shards are read one at a time (the rows of a document are all in
+one shard, so its means over windows are complete there); what is kept is the (documents x keys)
+matrix of per-document means of each variant, 8 bytes per document and key, never the rows.
 """
 
 from __future__ import annotations
@@ -27,22 +29,51 @@ ALL_HEADS = -1  # ``head`` of the rows that average a layer's heads
 _CHUNK = 2048  # statistics bootstrapped at once (bounds the (B, chunk) matrix)
 
 
-def _document_matrix(table):
-    """(doc_indices (D,), keys DataFrame (K: layer, head, statistic), X (D, K) float64, n_windows (D,))
-    of one variant's rows; per-document means over windows; NaN where a document lacks a key."""
+def _per_document(frame):
+    """{variant: wide DataFrame (index doc_index, columns (statistic, layer, head), float64)} and the
+    windows per document (Series) of the rows of whole documents (one shard): per-document means over
+    windows, and (head = ALL_HEADS) their means over a layer's heads; NaN where a document lacks a key."""
     import pandas as pd
 
-    frame = table.to_pandas()
-    means = frame.groupby(["doc_index", "statistic", "layer", "head"], sort=True)["value"].mean()
-    wide = means.unstack(["statistic", "layer", "head"])  # (D, K)
-    per_layer = means.groupby(level=["doc_index", "statistic", "layer"]).mean()
-    per_layer = per_layer.unstack(["statistic", "layer"])
-    per_layer.columns = pd.MultiIndex.from_tuples([(s, lay, ALL_HEADS) for s, lay in per_layer.columns],
-                                                  names=["statistic", "layer", "head"])
-    wide = pd.concat([wide, per_layer], axis=1).sort_index(axis=1)
-    windows = frame.groupby("doc_index")["window"].nunique().reindex(wide.index).to_numpy()
-    keys = wide.columns.to_frame(index=False)
-    return wide.index.to_numpy(), keys, wide.to_numpy(np.float64), windows
+    windows = frame.groupby("doc_index")["window"].nunique()
+    out = {}
+    for variant, part in frame.groupby("variant", sort=False):
+        means = part.groupby(["doc_index", "statistic", "layer", "head"], sort=True)["value"].mean()
+        wide = means.unstack(["statistic", "layer", "head"])  # (D, K)
+        per_layer = means.groupby(level=["doc_index", "statistic", "layer"]).mean()
+        per_layer = per_layer.unstack(["statistic", "layer"])
+        per_layer.columns = pd.MultiIndex.from_tuples([(s, lay, ALL_HEADS) for s, lay in per_layer.columns],
+                                                      names=["statistic", "layer", "head"])
+        out[variant] = pd.concat([wide, per_layer], axis=1)
+    return out, windows
+
+
+def _document_matrices(files, columns):
+    """{variant: (doc_indices (D,), keys DataFrame (K: statistic, layer, head), X (D, K) float64,
+    n_windows (D,))}, variants in order of appearance; one shard in memory at a time.
+
+    Every document lies in one shard, so its means over windows are complete within that shard; only
+    the (D, K) matrices of per-document means are kept (8 bytes per document and key).
+    """
+    import pandas as pd
+    import pyarrow.parquet as pq
+
+    parts: dict[str, list] = {}
+    windows = []
+    for f in files:
+        per_variant, w = _per_document(pq.read_table(f, columns=columns).to_pandas())
+        windows.append(w)
+        for variant, wide in per_variant.items():
+            parts.setdefault(variant, []).append(wide)
+    windows = pd.concat(windows)
+    out = {}
+    for variant in list(parts):
+        wide = pd.concat(parts.pop(variant), axis=0).sort_index(axis=0).sort_index(axis=1)
+        keys = wide.columns.to_frame(index=False)[["statistic", "layer", "head"]]
+        out[variant] = (wide.index.to_numpy(), keys, wide.to_numpy(np.float64),
+                        windows.reindex(wide.index).to_numpy())
+        del wide
+    return out
 
 
 def bootstrap_counts(n_docs: int, resamples: int, seed: int) -> np.ndarray:
@@ -79,23 +110,16 @@ def summarize(rows_dir: str | Path, resamples: int = 1000, seed: int = 0):
     n_documents, n_windows (windows over those documents).
     """
     import pandas as pd
-    import pyarrow.compute as pc
-    import pyarrow.dataset as ds
 
     if isinstance(resamples, bool) or not isinstance(resamples, int) or resamples < 1:
         raise ValueError(f"resamples must be an integer >= 1, got {resamples!r}")
     files = sorted(Path(rows_dir).glob("shard-*.parquet"))
     if not files:
         raise ValueError(f"rows_dir {str(rows_dir)!r} holds no shard-*.parquet files; nothing to summarize")
-    dataset = ds.dataset([str(f) for f in files], format="parquet")
-    variants = pc.unique(dataset.to_table(columns=["variant"])["variant"]).to_pylist()
-    order = {v: i for i, v in enumerate(variants)}
+    columns = ["doc_index", "window", "variant", "layer", "head", "statistic", "value"]
     frames = []
     counts_cache: dict[int, np.ndarray] = {}
-    columns = ["doc_index", "window", "layer", "head", "statistic", "value"]
-    for variant in sorted(variants, key=order.get):
-        table = dataset.to_table(columns=columns, filter=pc.field("variant") == variant)
-        docs, keys, X, windows = _document_matrix(table)
+    for variant, (docs, keys, X, windows) in _document_matrices(files, columns).items():
         D = len(docs)
         if D not in counts_cache:
             counts_cache[D] = bootstrap_counts(D, resamples, seed)
@@ -103,6 +127,7 @@ def summarize(rows_dir: str | Path, resamples: int = 1000, seed: int = 0):
         part = keys.assign(variant=variant, **stats)
         part["n_windows"] = (~np.isnan(X) * windows[:, None]).sum(0)
         frames.append(part)
+    order = {v: i for i, v in enumerate(dict.fromkeys(p["variant"].iat[0] for p in frames))}
     out = pd.concat(frames, ignore_index=True)
     out["layer"] = out["layer"].astype(np.int64)
     out["head"] = out["head"].astype(np.int64)

@@ -81,16 +81,18 @@ def key_classes(tokens: list[str], input_ids: list[int], special: np.ndarray, pu
 def class_statistics(weights: dict[str, torch.Tensor], names: list[str], classes: torch.Tensor):
     """{variant: (names + quantile names, (L, H, C + Q) float64)} from weights (L, H, N, N).
 
-    received(C) = (column mass @ membership) / M; quantiles of m_j * N / M over the N keys.
+    received(C) = (column mass @ membership) / M; quantiles of m_j * N / M over the N keys. The column
+    masses are summed in the weights' dtype (float32, as ``attnlab.stats.RowSums.cols``: one pass
+    over the weights, no float64 copy of them), then every variant's classes and quantiles are
+    computed at once in float64 from the stacked (V, L, H, N) masses.
     """
-    out = {}
-    q = torch.tensor(QUANTILES, dtype=torch.float64)
     stat_names = [f"received:{n}" for n in names] + [f"relative_column_mass_q{round(x * 100):02d}"
                                                      for x in QUANTILES]
-    for variant, w in weights.items():
-        L, H, M, N = w.shape
-        cols = w.to(torch.float64).sum(-2)  # (L, H, N) column mass m_j
-        received = cols @ classes.to(torch.float64) / M  # (L, H, C)
-        quant = torch.quantile(cols * (N / M), q, dim=-1).permute(1, 2, 0)  # (L, H, Q)
-        out[variant] = (stat_names, torch.cat([received, quant], -1))
-    return out
+    variants = list(weights)
+    L, H, M, N = next(iter(weights.values())).shape
+    cols = torch.stack([weights[v].sum(-2) for v in variants]).to(torch.float64)  # (V, L, H, N) m_j
+    received = cols @ classes.to(torch.float64) / M  # (V, L, H, C)
+    q = torch.tensor(QUANTILES, dtype=torch.float64)
+    quant = torch.quantile(cols * (N / M), q, dim=-1).permute(1, 2, 3, 0)  # (V, L, H, Q)
+    values = torch.cat([received, quant], -1)  # (V, L, H, C + Q)
+    return {v: (stat_names, values[i]) for i, v in enumerate(variants)}
