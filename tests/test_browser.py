@@ -273,7 +273,58 @@ def test_click_to_focus_and_reload_keep_the_view(server):
         _idle(page)
         _click_point(page, "inspect_token_mass", 1, 6)
         _wait_chart(page, "inspect_heatmap", "gd.layout.shapes && gd.layout.shapes[0].y0 === 5.5")
+        _idle(page)
+        # a click on a heatmap cell (query 8 "umbrella", key 3 "and") focuses its query, in every view
+        _click_heatmap_cell(page, 8, 3)
+        _wait_focused_everywhere(page, 8, "umbrella")
+        # ... and a click on the focused token's cell again clears the focus everywhere
+        _click_heatmap_cell(page, 8, 3)
+        _wait_chart(page, "inspect_heatmap", "!gd.layout.shapes || gd.layout.shapes.length === 0")
+        _idle(page)
+        assert "focus=" not in page.url
+        assert "Click a token" in page.locator('[data-testid="stMain"]').inner_text()
+        # a click on a token of the model view (layer 1, head 2, query 12 "penguin") focuses it too
+        n = page.evaluate(f"() => {GD('inspect_heatmap')}.data[0].x.length")
+        _click_point(page, "inspect_model_view", 1, n * (12 * 1 + 2) + 12)  # MiniLM: 12 heads
+        _wait_focused_everywhere(page, 12, "penguin")
         browser.close()
+
+
+def _click_heatmap_cell(page, query: int, key: int) -> None:
+    """Click the heatmap cell (query, key): its click target is point query * N + key of the map's
+    last trace (one invisible marker per cell, in row-major order)."""
+    n = page.evaluate(f"() => {GD('inspect_heatmap')}.data[0].x.length")
+    _click_point(page, "inspect_heatmap", 1, query * n + key)
+
+
+def _wait_focused_everywhere(page, position: int, token: str, timeout_s: float = 60) -> None:
+    """Every view of Inspect shows ``position`` focused: the map outlines its row and column, the head
+    view colours its labels, the strip is shaded by the row it sends, the model view names it in its
+    title, the focus line names it, and the URL holds it."""
+    edge = position - 0.5
+    _wait_chart(
+        page,
+        "inspect_heatmap",
+        "gd.layout.shapes && gd.layout.shapes.length === 2 && gd.layout.shapes[0].y0 === arg"
+        " && gd.layout.shapes[1].x0 === arg",
+        edge,
+        timeout_s,
+    )
+    _wait_chart(  # query and key labels of the focused token in the focus colour (last two traces)
+        page,
+        "inspect_head_view",
+        "gd.data.slice(-2).every(t => t.textfont.color[arg] !== t.textfont.color[(arg + 1) % t.x.length])",
+        position,
+        timeout_s,
+    )
+    label = f"{position}: {token}"
+    _wait_chart(page, "inspect_token_mass", "gd.layout.title.text.includes(arg + ' sends')", label, timeout_s)
+    _wait_chart(
+        page, "inspect_model_view", "gd.layout.title.text.includes('(focus: ' + arg + ')')", label, timeout_s
+    )
+    _idle(page)
+    assert f"Focus: token {position} “{token}”" in page.locator('[data-testid="stMain"]').inner_text()
+    assert f"focus={position}" in page.url
 
 
 def test_sidebar_survives_a_local_directory_in_the_browser(server):

@@ -38,11 +38,23 @@ def _on_select(chart_key: str, view_key: str) -> None:
     """A click on a chart: its point's token position becomes the focus (a click on the focused
     token again clears the selection, and with it the focus)."""
     points = st.session_state[chart_key]["selection"]["points"]
-    position = None
-    if points:
-        data = points[0].get("customdata")
-        position = int(data[0] if isinstance(data, (list, tuple)) else data) if data is not None else None
+    position = clicked_position(points[0].get("customdata")) if points else None
     state.shared()[FOCUS] = {"view": view_key, "position": position}
+
+
+def clicked_position(data) -> int | None:
+    """The token position in a clicked point's ``customdata``: a number (head view, strip), or the
+    first entry of a row (heatmap cell: [query, key, weight]; model view: [position, layer, head]).
+    A row of a 2-D numpy ``customdata`` reaches Python as a list, or, sent by plotly as a typed array,
+    as {"0": query, "1": key, ...}. None when the point carries no position."""
+    if isinstance(data, dict):
+        data = data.get("0")
+    elif isinstance(data, (list, tuple)):
+        data = data[0] if data else None
+    try:
+        return None if data is None else int(data)
+    except (TypeError, ValueError):
+        return None
 
 
 def _as_list(views: WindowView | list[WindowView]) -> list[WindowView]:
