@@ -9,6 +9,7 @@ MiniLM (st.cache_resource and attnlab.hf's cache persist across AppTest instance
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -42,8 +43,9 @@ def open_page(page: str | None = None) -> AppTest:
 
 
 def charts(at: AppTest) -> dict[str, dict]:
-    """key -> plotly figure dict of every chart on the page."""
-    return {c.key: json.loads(c.proto.spec) for c in at.get("plotly_chart")}
+    """key -> plotly figure dict of every chart on the page (a clickable chart's key without the
+    click generation appkit.show adds: "inspect_heatmap_click0" -> "inspect_heatmap")."""
+    return {re.sub(r"_click\d+$", "", c.key): json.loads(c.proto.spec) for c in at.get("plotly_chart")}
 
 
 def z_of(fig: dict, trace: int = 0) -> np.ndarray:

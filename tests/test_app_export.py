@@ -210,6 +210,9 @@ def test_focus_in_the_head_view_and_model_view():
     mv = av.model_view(W["unas"], TOKENS, min_weight=0.0, focus=2)
     marks = mv.data[-1]
     assert len(marks.x) == 2 * 3 * 6 and "focus: 2: cat" in mv.layout.title.text
+    focused = np.asarray(marks.customdata)[:, 0] == 2  # token 2's markers, in every head, in orange
+    assert (np.asarray(marks.marker.color) == focused).all() and focused.sum() == 2 * 3
+    assert marks.marker.colorscale[-1][1] == "#ff7f0e" and (marks.marker.cmin, marks.marker.cmax) == (0, 1)
     assert [a.text for a in mv.layout.annotations] == ["head 0", "head 1", "head 2", "layer 0", "layer 1"]
     with pytest.raises(ValueError, match="up to 64 tokens, this window has 65"):
         av.model_view(softmax_weights(1, 1, 65, 65), ["t"] * 65)

@@ -98,8 +98,11 @@ def _hidden(model, input_ids: torch.Tensor, layer: int) -> torch.Tensor:
         if not isinstance(model, NativeModel):
             return model.model(input_ids=input_ids, output_hidden_states=True).hidden_states[layer + 1][0]
         captured = {}
-        block = model.model.blocks[layer]
-        hook = block.register_forward_hook(lambda m, args, out: captured.setdefault("x", out[0]))
+
+        def keep(module, args, out) -> None:  # returns None: the block's output is left as it is
+            captured["x"] = out[0]  # the block returns (x, weights)
+
+        hook = model.model.blocks[layer].register_forward_hook(keep)
         try:
             model.model(input_ids)
         finally:
