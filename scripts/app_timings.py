@@ -43,6 +43,7 @@ TEXT_50 = "The harbour lantern and the umbrella rarely share a word; " * 4  # 50
 TEXT_512 = tb.LONG_TEXT  # ~505 tokens, one window
 TEXT_2_WINDOWS = tb.LONG_2_WINDOWS  # ~900 tokens: two windows
 VIEWPORTS = ((1600, 1000), (1280, 800))
+PAGES = [*tb.PAGES, "interventions", "corpus"]  # url paths ("": Inspect)
 
 
 def _timed(page, action, check) -> float:
@@ -129,10 +130,12 @@ def screenshots(p, url: str, shots: Path) -> list[Path]:
     for width, height in VIEWPORTS:
         browser = tb._browser(p)
         page = browser.new_page(viewport={"width": width, "height": height})
-        for path in tb.PAGES:
+        for path in PAGES:
             page.goto(f"{url}/{path}", wait_until="domcontentloaded")
             page.wait_for_selector('[data-testid="stMain"] h1', timeout=180_000)
             page.wait_for_timeout(1500)
+            tb._idle(page, 300)
+            page.wait_for_timeout(1000)  # a page that reruns itself once (a fragment, a rerun) settles
             tb._idle(page, 300)
             name = path or "inspect"
             written.append(shots / f"{name}_{width}x{height}.png")
@@ -155,26 +158,27 @@ def main(argv: list[str] | None = None) -> dict:
     if args.repeat < 1:
         ap.error(f"--repeat must be >= 1, got {args.repeat}")
     load_before = os.getloadavg()
+    result: dict = {"load_average_before": load_before, "cpus": os.cpu_count()}
+
+    def report(**more) -> None:
+        result.update(more, load_average_after=os.getloadavg())
+        if args.out:
+            args.out.write_text(json.dumps(result, indent=2))
+
     with tempfile.TemporaryDirectory() as tmp, tb.serve(Path(tmp)) as (url, t_spawn, t_up):
         with sync_api.sync_playwright() as p:
             timings = measure(p, url, t_up, args.repeat)
-            shots = [str(s) for s in screenshots(p, url, args.shots)] if args.shots else []
-    result = {
-        "server_spawn_to_health_s": t_up - t_spawn,
-        "timings_s": timings,
-        "load_average_before": load_before,
-        "load_average_after": os.getloadavg(),
-        "cpus": os.cpu_count(),
-        "screenshots": shots,
-    }
-    print(f"server spawn -> health check: {result['server_spawn_to_health_s']:.2f} s")
-    for what, times in timings.items():
-        print(f"{what}: " + ", ".join(f"{t:.2f} s" for t in times))
-    print(f"load average before {load_before}, after {result['load_average_after']} ({os.cpu_count()} CPUs)")
-    if shots:
-        print(f"{len(shots)} screenshots in {args.shots}")
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2))
+            report(server_spawn_to_health_s=t_up - t_spawn, timings_s=timings)
+            print(f"server spawn -> health check: {t_up - t_spawn:.2f} s")
+            for what, times in timings.items():
+                print(f"{what}: " + ", ".join(f"{t:.2f} s" for t in times))
+            after = result["load_average_after"]
+            print(f"load average before {load_before}, after {after} ({os.cpu_count()} CPUs)")
+            sys.stdout.flush()
+            if args.shots:
+                shots = [str(s) for s in screenshots(p, url, args.shots)]
+                report(screenshots=shots)
+                print(f"{len(shots)} screenshots in {args.shots}")
     return result
 
 

@@ -141,11 +141,12 @@ def _heatmap(page, title: str, token: str | None = None, timeout_s: float = STAR
 
 
 def _idle(page, timeout_s: float = 120):
-    """Wait until the script run is over (no 'running' status widget, no stale element) and every
-    plotly chart on the page is drawn."""
+    """Wait until the script run is over (no 'running' status widget, no stale element, no skeleton
+    standing in for an element not yet received) and every plotly chart on the page is drawn."""
     page.wait_for_function(
         """() => !document.querySelector('[data-testid="stStatusWidget"]')
               && !document.querySelector('[data-stale="true"]')
+              && !document.querySelector('[data-testid="stSkeleton"]')
               && [...document.querySelectorAll('.stPlotlyChart')].every(
                      c => { const gd = c.querySelector('.js-plotly-plot'); return gd && gd._fullLayout; })""",
         timeout=timeout_s * 1000,
