@@ -246,6 +246,16 @@ def test_panels_share_one_scale_and_differences_centre_at_zero():
     ] != axis.colorscale[-1][1]
     np.testing.assert_allclose(d.arrays["difference_1"], W["unas"][0, 0] - W["dnas"][0, 0])
     np.testing.assert_allclose(d.arrays["difference_2"], 0.0)
+    # panels of one model are named by variant above each map (the full names ran into each other);
+    # the figure's title names the model; panels of two models keep their full names
+    names = ["MiniLM · unas", "MiniLM · dnas", "MiniLM · unas (2)"]
+    params = {"variants": ["unas", "dnas", "unas"], "layer": 0, "head": 0}
+    d = av.build("differences", [W, W, W], TOKENS, params, labels=names)
+    assert [a.text for a in d.figure.layout.annotations][:2] == ["unas minus dnas", "unas minus unas (2)"]
+    assert d.figure.layout.title.text.startswith("Differences from MiniLM · unas")
+    two = {**params, "variants": ["unas", "dnas"]}
+    d = av.build("differences", [W, W], TOKENS, two, labels=["A · unas", "B · dnas"])
+    assert d.figure.layout.annotations[0].text == "A · unas minus B · dnas"
 
 
 def test_embedding_legend_clears_the_colour_bar():
