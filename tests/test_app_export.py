@@ -250,6 +250,9 @@ def test_panels_share_one_scale_and_differences_centre_at_zero():
     # the figure's title names the model; panels of two models keep their full names
     names = ["MiniLM · unas", "MiniLM · dnas", "MiniLM · unas (2)"]
     params = {"variants": ["unas", "dnas", "unas"], "layer": 0, "head": 0}
+    panels = av.build("panels", [W, W], TOKENS, {**params, "variants": ["unas", "dnas"]}, labels=names[:2])
+    assert [a.text for a in panels.figure.layout.annotations][:2] == ["unas", "dnas"]
+    assert panels.figure.layout.title.text.startswith("MiniLM: layer 0, head 0")
     d = av.build("differences", [W, W, W], TOKENS, params, labels=names)
     assert [a.text for a in d.figure.layout.annotations][:2] == ["unas minus dnas", "unas minus unas (2)"]
     assert d.figure.layout.title.text.startswith("Differences from MiniLM · unas")
