@@ -9,11 +9,13 @@ MiniLM (st.cache_resource and attnlab.hf's cache persist across AppTest instance
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("streamlit.testing.v1")
 from streamlit.testing.v1 import AppTest  # noqa: E402
@@ -41,8 +43,9 @@ def open_page(page: str | None = None) -> AppTest:
 
 
 def charts(at: AppTest) -> dict[str, dict]:
-    """key -> plotly figure dict of every chart on the page."""
-    return {c.key: json.loads(c.proto.spec) for c in at.get("plotly_chart")}
+    """key -> plotly figure dict of every chart on the page (a clickable chart's key without the
+    click generation appkit.show adds: "inspect_heatmap_click0" -> "inspect_heatmap")."""
+    return {re.sub(r"_click\d+$", "", c.key): json.loads(c.proto.spec) for c in at.get("plotly_chart")}
 
 
 def z_of(fig: dict, trace: int = 0) -> np.ndarray:
@@ -297,6 +300,41 @@ def test_embeddings_page(app_env):
     assert charts(at)["embed_scatter"]["data"][0]["marker"]["color"] != colours
     at.radio(key="embed_method").set_value("UMAP").run()  # UMAP off in tests: PCA and a message
     assert "ATTNLAB_UMAP=off" in messages(at) and "embed_scatter" in charts(at)
+
+
+@pytest.mark.parametrize("model", ["embedded", "enc-hnas", "enc-gam"])
+def test_embedding_queries_and_keys_reproduce_the_analysed_weights(app_env, model):
+    """The Embeddings page's queries and keys come from the library's capture path (hf.capture_qk,
+    hf.capture_attention_inputs): softmax(q k^T / sqrt(D)) of the plotted vectors (keys translated
+    and scaled, AttentionViz) is the UNAS map the analysis computed, for MiniLM and a native
+    checkpoint; a GAM layer (no single q and k) is a message, its standard layers work."""
+    sys_path_app()
+    from appkit import embeddings as emb
+    from appkit.analysis import Settings, view_for
+    from appkit.sources import EMBEDDED, Source
+
+    if model == "embedded":
+        source = EMBEDDED
+    else:
+        path = Path(APP).parents[1] / "checkpoints" / model
+        if not path.is_dir():
+            pytest.skip(f"no shipped checkpoint {model}")
+        source = Source("native", str(path), f"{model} (shipped)")
+    view = view_for(source, Settings(source, ("unas",)), "The penguin explains the zebra away, twice.")
+    L, H, N = view.shape
+    gam = [] if model == "embedded" else [i for i, b in enumerate(emb.load(source).model.blocks) if b.is_gam]
+    for layer in (i for i in range(L) if i not in gam):  # every standard layer, the last head
+        x, kinds = emb.vectors(view.key, layer, H - 1, "qk", _view=view)
+        assert kinds == ["query"] * N + ["key"] * N and x.shape[0] == 2 * N
+        q, k = (torch.from_numpy(a).double() for a in (x[:N], x[N:]))
+        expected = torch.from_numpy(view.weights["unas"][layer, H - 1]).double()
+        got = torch.softmax(q @ k.T / q.shape[-1] ** 0.5, dim=-1)
+        torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-3)
+    hidden, kinds = emb.vectors(view.key, L - 1, 0, "hidden", _view=view)
+    assert kinds == ["token"] * N and hidden.shape[0] == N and np.isfinite(hidden).all()
+    if gam:
+        with pytest.raises(ValueError, match=f"layer {gam[0]} .* GAM layer"):
+            emb.vectors(view.key, gam[0], 0, "qk", _view=view)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -603,3 +641,18 @@ def test_run_just_started_counts_as_alive(tmp_path):
     finally:
         child.kill()
         runs._CHILDREN.pop(child.pid, None)
+
+
+def test_a_clicked_point_names_its_token_position():
+    """Seen in the browser: a heatmap cell's customdata row ([query, key, weight], a 2-D numpy
+    array plotly sends as a typed array) reached the click handler as {"0": 8, "1": 3, "2": w}, and
+    int() of it raised, so a click on a map cell never focused. Every form a point's customdata takes
+    gives its position; points without one give None."""
+    sys_path_app()
+    from appkit.show import clicked_position
+
+    assert clicked_position({"0": 8, "1": 3, "2": 0.0043}) == 8  # heatmap cell, model view marker
+    assert clicked_position([8.0, 3.0, 0.0043]) == 8 and clicked_position((5, 1, 2)) == 5
+    assert clicked_position(4) == 4 and clicked_position(np.int64(4)) == 4  # head view, strip
+    assert clicked_position(None) is None and clicked_position([]) is None
+    assert clicked_position({"x": 1}) is None and clicked_position("a") is None

@@ -210,6 +210,9 @@ def test_focus_in_the_head_view_and_model_view():
     mv = av.model_view(W["unas"], TOKENS, min_weight=0.0, focus=2)
     marks = mv.data[-1]
     assert len(marks.x) == 2 * 3 * 6 and "focus: 2: cat" in mv.layout.title.text
+    focused = np.asarray(marks.customdata)[:, 0] == 2  # token 2's markers, in every head, in orange
+    assert (np.asarray(marks.marker.color) == focused).all() and focused.sum() == 2 * 3
+    assert marks.marker.colorscale[-1][1] == "#ff7f0e" and (marks.marker.cmin, marks.marker.cmax) == (0, 1)
     assert [a.text for a in mv.layout.annotations] == ["head 0", "head 1", "head 2", "layer 0", "layer 1"]
     with pytest.raises(ValueError, match="up to 64 tokens, this window has 65"):
         av.model_view(softmax_weights(1, 1, 65, 65), ["t"] * 65)
@@ -243,6 +246,19 @@ def test_panels_share_one_scale_and_differences_centre_at_zero():
     ] != axis.colorscale[-1][1]
     np.testing.assert_allclose(d.arrays["difference_1"], W["unas"][0, 0] - W["dnas"][0, 0])
     np.testing.assert_allclose(d.arrays["difference_2"], 0.0)
+    # panels of one model are named by variant above each map (the full names ran into each other);
+    # the figure's title names the model; panels of two models keep their full names
+    names = ["MiniLM · unas", "MiniLM · dnas", "MiniLM · unas (2)"]
+    params = {"variants": ["unas", "dnas", "unas"], "layer": 0, "head": 0}
+    panels = av.build("panels", [W, W], TOKENS, {**params, "variants": ["unas", "dnas"]}, labels=names[:2])
+    assert [a.text for a in panels.figure.layout.annotations][:2] == ["unas", "dnas"]
+    assert panels.figure.layout.title.text.startswith("MiniLM: layer 0, head 0")
+    d = av.build("differences", [W, W, W], TOKENS, params, labels=names)
+    assert [a.text for a in d.figure.layout.annotations][:2] == ["unas minus dnas", "unas minus unas (2)"]
+    assert d.figure.layout.title.text.startswith("Differences from MiniLM · unas")
+    two = {**params, "variants": ["unas", "dnas"]}
+    d = av.build("differences", [W, W], TOKENS, two, labels=["A · unas", "B · dnas"])
+    assert d.figure.layout.annotations[0].text == "A · unas minus B · dnas"
 
 
 def test_embedding_legend_clears_the_colour_bar():

@@ -121,18 +121,17 @@ else:
         text=text,
         width="stretch",
     )
-    for col, name in zip(st.columns(len(same) - 1), same[1:], strict=True):
-        with col:
-            show(
-                P,
-                f"js_{chosen.index(name)}",
-                "js_distance",
-                [ref_view, panels[name][0]],
-                {"variants": [ref_variant, panels[name][1]]},
-                labels=["A", name],
-                text=text,
-                width="stretch",
-            )
+    for name in same[1:]:  # one under another, each at its own width: side by side in columns the
+        # maps shrank until their cell values ran together and the title was cut (seen at 1280x800)
+        show(
+            P,
+            f"js_{chosen.index(name)}",
+            "js_distance",
+            [ref_view, panels[name][0]],
+            {"variants": [ref_variant, panels[name][1]]},
+            labels=["A", name],
+            text=text,
+        )
 
 st.subheader("Column-mass distributions, overlaid")
 show(

@@ -69,29 +69,45 @@ def umap_job(key: str, x: np.ndarray) -> Future:
         return _JOBS[key]
 
 
-def _native_vectors(model: NativeModel, ids: list[int], layer: int, head: int, what: str):
-    block = model.model.blocks[layer]
-    captured = {}
-    if what == "hidden":
-        handle = block.register_forward_hook(lambda m, args, out: captured.__setitem__("x", out[0]))
-    else:
-        if block.is_gam:
+def _query_key(model, input_ids: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer ``layer``'s (q, k), each (H, N, D), through the library's capture path (the one
+    ``hf.analyze`` and ``attnlab analyze`` use): ``hf.capture_attention_inputs`` and the layer's own
+    ``qkv`` projection for a native attnlab checkpoint (``AttentionInputs.query_key``),
+    ``hf.capture_qk`` for a Hugging Face model (stopping after that layer's q and k)."""
+    if isinstance(model, NativeModel):
+        if model.model.blocks[layer].is_gam:
             raise ValueError(
                 f"layer {layer} of {model.info.name} is a GAM layer: it has no separate queries and "
                 "keys; pick another layer or the token representations"
             )
-        handle = block.attn.qkv.register_forward_hook(lambda m, args, out: captured.__setitem__("qkv", out))
-    try:
+        with model.lock, torch.no_grad(), hf.capture_attention_inputs(model.model) as captured:
+            model.model(input_ids)
+            q, k = captured[layer].query_key()  # (B, H, N, D) each
+    else:
         with model.lock, torch.no_grad():
-            model.model(torch.tensor([ids]))
-    finally:
-        handle.remove()
-    if what == "hidden":
-        return captured["x"][0], None  # (N, C)
-    H = model.info.n_heads
-    q, k, _ = captured["qkv"][0].chunk(3, dim=-1)  # (N, C) each
-    D = q.shape[-1] // H
-    return q[:, head * D : (head + 1) * D], k[:, head * D : (head + 1) * D]  # (N, D)
+            with hf.capture_qk(model.model, stop_after=layer + 1) as captured:
+                model.model(input_ids=input_ids, use_cache=False)
+            q, k = captured[layer].query, captured[layer].key  # (B, H, N, D) each
+    return q[0], k[0]
+
+
+def _hidden(model, input_ids: torch.Tensor, layer: int) -> torch.Tensor:
+    """(N, C): the output of block ``layer`` (Hugging Face's ``hidden_states[layer + 1]``; for a
+    native checkpoint the residual stream after that block)."""
+    with model.lock, torch.no_grad():
+        if not isinstance(model, NativeModel):
+            return model.model(input_ids=input_ids, output_hidden_states=True).hidden_states[layer + 1][0]
+        captured = {}
+
+        def keep(module, args, out) -> None:  # returns None: the block's output is left as it is
+            captured["x"] = out[0]  # the block returns (x, weights)
+
+        hook = model.model.blocks[layer].register_forward_hook(keep)
+        try:
+            model.model(input_ids)
+        finally:
+            hook.remove()
+        return captured["x"][0]
 
 
 @st.cache_resource(max_entries=6, ttl=1800, show_spinner=False)
@@ -100,23 +116,12 @@ def vectors(view_key: str, layer: int, head: int, what: str, _view: WindowView):
     layer's queries and keys of ``head`` in one space (AttentionViz: keys translated and scaled, which
     leaves every row's softmax unchanged)."""
     model = load(_view.settings.source)
-    ids = _view.input_ids
-    if isinstance(model, NativeModel):
-        a, b = _native_vectors(model, ids, layer, head, what)
-    else:
-        input_ids = torch.tensor([ids], device=model.device)  # the model may run on a GPU
-        with model.lock, torch.no_grad():
-            if what == "hidden":
-                out = model.model(input_ids=input_ids, output_hidden_states=True)
-                a, b = out.hidden_states[layer + 1][0], None  # (N, C): output of block `layer`
-            else:
-                with hf.capture_qk(model.model) as captured:
-                    model.model(input_ids=input_ids, use_cache=False)
-                a, b = captured[layer].query[0, head], captured[layer].key[0, head]  # (N, D) each
-    if b is None:
-        x = a.float().cpu().numpy()
+    input_ids = torch.tensor([_view.input_ids], device=model.device)  # the model may run on a GPU
+    if what == "hidden":
+        x = _hidden(model, input_ids, layer).float().cpu().numpy()
         return x, ["token"] * len(x)
-    q, k = app_views.joint_query_key(a.float().cpu().numpy(), b.float().cpu().numpy())
+    q, k = _query_key(model, input_ids, layer)
+    q, k = app_views.joint_query_key(q[head].float().cpu().numpy(), k[head].float().cpu().numpy())
     return np.concatenate([q, k]), ["query"] * len(q) + ["key"] * len(k)
 
 

@@ -148,7 +148,9 @@ def intervention_heatmap(
 ) -> FigureBundle:
     """The L x H map of each measure of a per-head intervention (swap of one head to ``variant``)."""
     names = list(measures)
-    fig = make_subplots(rows=1, cols=len(names), subplot_titles=names, horizontal_spacing=0.12)
+    # room between panels for a panel's colour bar and the next panel's axis labels (the bar sat on
+    # the next panel's "layer" title and ticks)
+    fig = make_subplots(rows=1, cols=len(names), subplot_titles=names, horizontal_spacing=0.2)
     rows = []
     for i, name in enumerate(names, 1):
         z = as_array(measures[name], name, 2)
@@ -159,7 +161,8 @@ def intervention_heatmap(
                 list(range(H)),
                 list(range(L)),
                 colorscale="Magma" if name != "loglik_change" else "RdBu",
-                colorbar=dict(x=i / len(names) - 0.02, len=0.9),
+                colorbar=dict(x=fig.layout[f"xaxis{'' if i == 1 else i}"].domain[1] + 0.01, len=0.9,
+                              thickness=14),
                 hovertemplate="layer %{y}, head %{x}<br>%{z:.3g}<extra></extra>",
             ),
             row=1,

@@ -116,9 +116,11 @@ def column_mass_distribution(
             x=[value, value], y=[0.0, ymax], name=label, mode="lines", line=BOUND_STYLE.get(key, OTHER_BOUND),
             hovertemplate=f"{label} = {value:.4g}<extra></extra>",
         ))
-        # annotations on a log axis are placed in log10 units (traces and shapes in data units)
+        # annotations on a log axis are placed in log10 units (traces and shapes in data units); a
+        # floor below 1/N is labelled on its left, so its label does not run across the 1/N line
+        side = "left" if value >= 1.0 / n_valid else "right"
         fig.add_annotation(x=math.log10(value), y=1.0 - 0.07 * k, yref="paper", text=label.split(" (")[0],
-                           showarrow=False, xanchor="left", yanchor="bottom", font={"size": 11})
+                           showarrow=False, xanchor=side, yanchor="bottom", font={"size": 11})
     top = max([float(x.max()) for x in data.values() if x.size] + [1.0 / n_valid])
     lo = min([floor] + [value for _, _, value in bounds])
     fig.update_xaxes(range=[math.log10(lo) - 0.15, math.log10(top) + 0.15])  # log10 units

@@ -93,14 +93,19 @@ def _multi(kind: str, weights, tokens, p: dict, labels) -> FigureBundle:
     arrays, names = _sources(kind, weights, p, labels, 2 if kind == "difference" else None)
     maps = [a[layer, head] for a in arrays]  # (N, N) each
     focus = p.get("focus")
+    # one model for every panel ("M · unas", "M · dnas"): the panels are named by variant alone and
+    # the figure's title names the model (the full names ran into each other above the panels)
+    one_model = all(" · " in n for n in names) and len({n.rsplit(" · ", 1)[0] for n in names}) == 1
+    short = [n.rsplit(" · ", 1)[1] for n in names] if one_model else names
+    model = f"{names[0].rsplit(' · ', 1)[0]}: " if one_model else ""
     if kind == "panels":
         fig = panel_heatmaps(
             maps,
             tokens,
-            names,
+            short,
             shared_scale=p.get("shared_scale", True),
             focus=focus,
-            title=f"Layer {layer}, head {head}"
+            title=f"{model}layer {layer}, head {head}"
             + (" — one colour scale" if p.get("shared_scale", True) else " — a colour scale per panel"),
         )
         table = pd.concat(
@@ -111,7 +116,7 @@ def _multi(kind: str, weights, tokens, p: dict, labels) -> FigureBundle:
             fig, table, {f"panel_{k}": m for k, m in enumerate(maps)} | {"tokens": np.array(tokens)}
         )
     diffs = [maps[0] - m for m in maps[1:]]  # (N, N) each: A - B, A - C, ...
-    titles = [f"{names[0]} minus {n}" for n in names[1:]]
+    titles = [f"{short[0]} minus {n}" for n in short[1:]]
     if kind == "difference":
         title = f"{names[0]} minus {names[1]}: layer {layer}, head {head}"
         fig = panel_heatmaps(diffs, tokens, [title], diverging=True, focus=focus, title=title)
