@@ -173,6 +173,47 @@ inline float js_term(float p, float q, float log_tiny) {
   return p * std::max(std::log1p(d), log_tiny) + q * std::max(std::log1p(-d), log_tiny);
 }
 
+// ln x and 1 / t on whole vectors: the fast versions above where they exist, else ATen's
+inline Vec vlog(const Vec& x) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return Vec(fast_log(static_cast<__m512>(x)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return Vec(fast_log(static_cast<__m256>(x)));
+#else
+  return x.log();
+#endif
+}
+inline Vec vrecip(const Vec& t) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512 tt = static_cast<__m512>(t);
+  const __m512 r = _mm512_rcp14_ps(tt);
+  return Vec(_mm512_mul_ps(r, _mm512_fnmadd_ps(tt, r, _mm512_set1_ps(2.f))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return Vec(recip(static_cast<__m256>(t)));
+#else
+  return Vec(1.f) / t;
+#endif
+}
+
+// js_terms(p, q) when ln x, x = p / q, is known (from the variants' factors: no logarithm per entry):
+// with m = (p + q) / 2 and d = (p - q) / (p + q), p log1p(d) + q log1p(-d) = m [ln(1 - d^2) + d ln x].
+// Both terms are O(d^2) for close rows and an error in ln x counts d times: no cancellation. One
+// logarithm: of 1 - d^2 (plus the rounding's first-order correction) while d^2 < 1/2, else of
+// 4 p q / (p + q)^2, accurate where 1 - d^2 is small; where even that underflows (one weight under
+// ~1e-20 of the other) the terms are (p + q) ln 2 to float precision.
+inline Vec js_terms_lnx(const Vec& p, const Vec& q, const Vec& lnx) {
+  const Vec t = p + q, r = vrecip(t);
+  const Vec d = (p - q) * r, d2 = d * d, one(1.f);
+  const Vec u1 = one - d2;
+  const Vec c1 = ((one - u1) - d2) * vrecip(u1);  // (-d^2) - (u1 - 1), exact differences
+  const Vec u2 = Vec(4.f) * p * q * r * r;
+  const Vec near = d2 < Vec(0.5f);
+  const Vec L = vlog(Vec::blendv(u2, u1, near)) + (c1 & near);
+  const Vec terms = Vec(0.5f) * t * at::vec::fmadd(d, lnx, L);
+  const Vec apart = (u2 < Vec(1e-20f)) & (d2 >= Vec(0.5f));
+  return Vec::blendv(terms, t * Vec(0.69314718f), apart);
+}
+
 inline bool aligned(const float* p) {
   return reinterpret_cast<std::uintptr_t>(p) % (sizeof(float) * Vec::size()) == 0;
 }
@@ -319,8 +360,12 @@ void row_pass(Head& h, bool sinkhorn_final) {
   const float* bd = h.beta + N;
   const float* bs = h.beta + 2 * N;
   const float log_tiny = std::log(std::numeric_limits<float>::min());
-  std::vector<float> blnb, bspec, idx(N);
+  std::vector<float> blnb, bspec, idx(N), lbd(N), lbs(N);
   for (int64_t j = 0; j < N; ++j) idx[j] = float(j);
+  for (int64_t j = 0; j < N; ++j) {  // ln x of the JS terms: ln(alpha_v / alpha_u) + ln beta_v,j
+    lbd[j] = std::log(bd[j]);
+    lbs[j] = std::log(bs[j]);
+  }
   if (sinkhorn_final) {
     blnb.resize(N);
     bspec.resize(S * N);
@@ -348,6 +393,7 @@ void row_pass(Head& h, bool sinkhorn_final) {
     }
     const float au = h.alpha[i], ad = h.alpha[N + i], as = h.alpha[2 * N + i];
     const Vec vau(au), vad(ad), vas(as), vi(static_cast<float>(i));
+    const Vec lr_d(std::log(ad / au)), lr_s(std::log(as / au)), ln_au(std::log(au));
     Vec a_es_u(0.f), a_es_d(0.f), a_es_s(0.f), a_ed_u(0.f), a_ed_d(0.f), a_ed_s(0.f), a_h(0.f);
     Vec a_jd(0.f), a_jh(0.f), a_js(0.f);
     const int64_t n_vec = N - N % Vec::size();
@@ -368,13 +414,14 @@ void row_pass(Head& h, bool sinkhorn_final) {
       if (h.pu) store(h.pu + i * N + j, PU, st_u);
       if (h.pd) store(h.pd + i * N + j, PD, st_d);
       if (h.ps) store(h.ps + i * N + j, PS, st_s);
-      if (h.want_h) {
+      if (h.want_h) {  // ln h = ln pu + ln(h / pu), ln pu = ln alpha_u + s (E = exp(s)): one logarithm
         if (h.ph) store(h.ph + i * N + j, PH, st_h);
-        a_h = at::vec::fmadd(PH, vlog_floor(PH, vtiny), a_h);  // 0 ln 0 = 0
+        const Vec lnx_h = vlog(PH * vrecip(PU));
+        a_h = at::vec::fmadd(PH, at::vec::maximum(Sv + ln_au + lnx_h, vtiny), a_h);  // 0 ln 0 = 0
+        if (h.js_h) a_jh = a_jh + js_terms_lnx(PH, PU, lnx_h);
       }
-      if (h.js_h) a_jh = a_jh + js_terms(PH, PU, vtiny);
-      if (h.js_s) a_js = a_js + js_terms(PS, PU, vtiny);
-      if (h.js_d) a_jd = a_jd + js_terms(PD, PU, vtiny);
+      if (h.js_s) a_js = a_js + js_terms_lnx(PS, PU, lr_s + Vec::loadu(lbs.data() + j));
+      if (h.js_d) a_jd = a_jd + js_terms_lnx(PD, PU, lr_d + Vec::loadu(lbd.data() + j));
     }
     float r[kStats] = {sum_of(a_es_u), sum_of(a_es_d), sum_of(a_es_s), sum_of(a_ed_u), sum_of(a_ed_d),
                        sum_of(a_ed_s), sum_of(a_h), sum_of(a_jd), sum_of(a_jh), sum_of(a_js)};
