@@ -7,6 +7,7 @@ models built from configs (conftest.py). Everything is seeded and offline.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -812,3 +813,25 @@ def test_a_registered_variant_with_a_fused_normalizer_takes_the_fused_path(minil
         assert a.shape == b.shape and (a == b).all()
     finally:
         specs.unregister_variant("toy_dnas")
+
+
+@pytest.mark.parametrize("scale", [0.003, 0.05, 0.6])
+def test_fused_js_distances_are_accurate_for_close_and_far_rows(scale):
+    """The kernel's Jensen-Shannon terms (one logarithm each, ln x from the factors) against a float64
+    literal computation, for rows nearly equal to unas' (distances ~1e-3) and far from them."""
+    from attnlab.hf import fused_sums
+
+    torch.manual_seed(3)
+    L, H, N, D = 1, 2, 64, 16
+    q, k = torch.randn(L, 1, H, N, D), torch.randn(L, 1, H, N, D)
+    special = torch.zeros(N, dtype=torch.bool)
+    special[0] = True
+    weights, sums = fused_sums.variants_with_sums(q, k, [scale], KERNEL, 0.4, 3, [special])
+    pu = weights["unas"][0, 0].double()  # (H, N, N)
+    for v in ("dnas", "hnas", "sinkhorn"):
+        p = weights[v][0, 0].double()
+        m = (p + pu) / 2
+        js = 0.5 * (p * (p / m).log() + pu * (pu / m).log()).sum(-1) / math.log(2.0)
+        expected = js.clamp_min(0).sqrt()  # (H, N) JS distance, base 2
+        got = sums[v]["js"].reshape(H, N).double()
+        torch.testing.assert_close(got, expected, rtol=2e-4, atol=2e-7, msg=f"{v} at scale {scale}")

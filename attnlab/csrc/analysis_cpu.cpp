@@ -195,22 +195,36 @@ inline Vec vrecip(const Vec& t) {
 #endif
 }
 
+// ln(1 + f) for f in [1/sqrt2 - 1, sqrt2 - 1] by the polynomial of fast_log with no exponent, from f
+// itself (not from 1 + f rounded: with -fassociative-math no rounding correction survives).
+inline Vec vlog1p_small(const Vec& f) {
+  Vec p(7.0376836292e-2f);
+  p = at::vec::fmadd(p, f, Vec(-1.1514610310e-1f));
+  p = at::vec::fmadd(p, f, Vec(1.1676998740e-1f));
+  p = at::vec::fmadd(p, f, Vec(-1.2420140846e-1f));
+  p = at::vec::fmadd(p, f, Vec(1.4249322787e-1f));
+  p = at::vec::fmadd(p, f, Vec(-1.6668057665e-1f));
+  p = at::vec::fmadd(p, f, Vec(2.0000714765e-1f));
+  p = at::vec::fmadd(p, f, Vec(-2.4999993993e-1f));
+  p = at::vec::fmadd(p, f, Vec(3.3333331174e-1f));
+  const Vec z = f * f;
+  return f + at::vec::fmadd(Vec(-0.5f), z, p * f * z);
+}
+
 // js_terms(p, q) when ln x, x = p / q, is known (from the variants' factors: no logarithm per entry):
 // with m = (p + q) / 2 and d = (p - q) / (p + q), p log1p(d) + q log1p(-d) = m [ln(1 - d^2) + d ln x].
-// Both terms are O(d^2) for close rows and an error in ln x counts d times: no cancellation. One
-// logarithm: of 1 - d^2 (plus the rounding's first-order correction) while d^2 < 1/2, else of
-// 4 p q / (p + q)^2, accurate where 1 - d^2 is small; where even that underflows (one weight under
-// ~1e-20 of the other) the terms are (p + q) ln 2 to float precision.
+// Both terms are O(d^2) for close rows and an error in ln x counts d times: no cancellation.
+// ln(1 - d^2): the polynomial of -d^2 while d^2 < 0.29, else the logarithm of 4 p q / (p + q)^2
+// (accurate where 1 - d^2 is small); where even that underflows (one weight under ~1e-20 of the
+// other) the terms are (p + q) ln 2 to float precision.
 inline Vec js_terms_lnx(const Vec& p, const Vec& q, const Vec& lnx) {
   const Vec t = p + q, r = vrecip(t);
-  const Vec d = (p - q) * r, d2 = d * d, one(1.f);
-  const Vec u1 = one - d2;
-  const Vec c1 = ((one - u1) - d2) * vrecip(u1);  // (-d^2) - (u1 - 1), exact differences
+  const Vec d = (p - q) * r, d2 = d * d;
   const Vec u2 = Vec(4.f) * p * q * r * r;
-  const Vec near = d2 < Vec(0.5f);
-  const Vec L = vlog(Vec::blendv(u2, u1, near)) + (c1 & near);
+  const Vec near = d2 < Vec(0.29f);
+  const Vec L = Vec::blendv(vlog(u2), vlog1p_small(Vec(0.f) - d2), near);
   const Vec terms = Vec(0.5f) * t * at::vec::fmadd(d, lnx, L);
-  const Vec apart = (u2 < Vec(1e-20f)) & (d2 >= Vec(0.5f));
+  const Vec apart = (u2 < Vec(1e-20f)) & (d2 >= Vec(0.29f));
   return Vec::blendv(terms, t * Vec(0.69314718f), apart);
 }
 
