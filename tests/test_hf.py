@@ -7,6 +7,7 @@ models built from configs (conftest.py). Everything is seeded and offline.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -645,3 +646,192 @@ def test_batch_weights_refuses_empty_and_out_of_vocabulary_ids(minilm):
         with pytest.raises(ValueError) as err:
             hf.batch_weights(minilm, ids)
         assert message in str(err.value)
+
+
+# ----------------------------------------------------------------------------------------------
+# Weights computed on first access (attnlab/hf/lazy_weights.py)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_statistics_pass_writes_no_weights_and_later_weights_are_identical(monkeypatch, use_kernel):
+    """The row sums of the pass that writes no weights equal those of the pass that writes them all,
+    and each variant's weights written later, alone, equal (bit for bit) the ones written together
+    (kernel and PyTorch paths, a wide head among them, u per head, Sinkhorn with rounds)."""
+    from attnlab import kernels
+    from attnlab.hf import fused_sums
+
+    if use_kernel and kernels.analysis_ops() is None:
+        pytest.skip(f"attnlab's CPU kernels not available: {kernels.build_error()}")
+    torch.manual_seed(2)
+    L, H, N, D = 2, 3, 64, 8
+    q, k = torch.randn(L, 1, H, N, D) * 1.5, torch.randn(L, 1, H, N, D) * 1.5
+    q[0, 0, 1] *= 12.0  # a wide head: the log-space fallback
+    u = torch.tensor([[0.0, 0.3, 1.0], [0.5, 0.7, 0.2]])[:, None, :, None, None]
+    special = torch.zeros(N, dtype=torch.bool)
+    special[[0, N - 1]] = True
+    args = (q, k, [0.4, 0.35], KERNEL, u, 3, [special, special.roll(2)])
+    full, sums_full = fused_sums.variants_with_sums(*args, use_kernel=use_kernel)
+    none, sums_none = fused_sums.variants_with_sums(*args, use_kernel=use_kernel, write=())
+    assert none == {}
+    for v in KERNEL:
+        for key, t in sums_full[v].items():
+            assert (t is None) == (sums_none[v][key] is None), (v, key)
+            if t is not None:
+                assert torch.equal(t, sums_none[v][key]), (v, key)
+        alone, no_sums = fused_sums.variants_with_sums(*args, use_kernel=use_kernel, write=(v,), sums=False)
+        assert no_sums is None and list(alone) == [v]
+        assert torch.equal(alone[v], full[v]), v
+
+
+def test_analysis_computes_weights_only_when_read(minilm, english_text):
+    from attnlab.hf.lazy_weights import LazyWeights
+
+    result = hf.analyze(english_text, minilm)
+    w = result.windows[0]
+    assert isinstance(w.weights, LazyWeights) and isinstance(w.weights, dict)
+    table = result.table()  # from the row sums: no weight computed
+    assert w.weights.computed == ()
+    assert list(w.weights) == list(DEFAULT_VARIANTS) and len(w.weights) == len(DEFAULT_VARIANTS)
+    assert "dnas" in w.weights and "nothing" not in w.weights
+    dnas = w.weights["dnas"]
+    assert w.weights.computed == ("dnas",) and w.weights["dnas"] is dnas  # computed once, kept
+    n = len(result.tokens)
+    assert dnas.shape == (6, 12, n, n)
+    torch.testing.assert_close(dnas.sum(-1), torch.ones(6, 12, n), atol=1e-5, rtol=0)
+    eager = hf.batch_weights(minilm, torch.tensor([w.window.input_ids]))  # the materializing path
+    for v, t in w.weights.items():  # every variant computed
+        torch.testing.assert_close(t, eager[v][:, 0], atol=2e-5, rtol=0)
+    assert set(w.weights.computed) == set(DEFAULT_VARIANTS)
+    again = hf.analyze(english_text, minilm)
+    plain = dict(again.weights)  # all at once (values()) = one at a time (__getitem__)
+    assert type(plain) is dict
+    for v in DEFAULT_VARIANTS:
+        assert torch.equal(plain[v], result.weights[v]), v
+    # the statistics still describe these weights: table() uses the row sums, unchanged
+    from attnlab import stats
+
+    _assert_tables_close(table, stats.tidy_table(plain, special=w.special | w.punctuation, window=0))
+    assert w._cached_sums(w.special | w.punctuation, "unas") is not None
+
+
+def test_lazy_weights_behave_as_a_dict():
+    import pickle
+
+    from attnlab.hf.lazy_weights import LazyWeights
+
+    calls = []
+
+    def compute(names):
+        calls.append(names)
+        return {n: torch.full((2,), float(len(n))) for n in names}
+
+    w = LazyWeights(("ab", "cde"), compute)
+    assert list(w) == ["ab", "cde"] and not calls
+    assert "LazyWeights" in repr(w) and not calls
+    assert torch.equal(w["ab"], torch.full((2,), 2.0)) and calls == [("ab",)]
+    assert w.get("zz") is None and w.get("ab") is w["ab"]
+    with pytest.raises(KeyError):
+        w["zz"]
+    assert set({**w}) == {"ab", "cde"} and calls == [("ab",), ("cde",)]
+    assert isinstance(pickle.loads(pickle.dumps(w))["cde"], torch.Tensor)
+    before = w.fingerprint()
+    w["cde"].add_(1.0)  # in place: the fingerprint changes
+    assert w.fingerprint() != before
+    x = LazyWeights(("ab",), compute)
+    start = x.fingerprint()
+    x["ab"]
+    assert x.fingerprint() == start  # computing is not a change
+    x["ab"] = torch.zeros(2)
+    assert x.fingerprint() != start
+    assert x.pop("ab").sum() == 0 and len(x) == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# The analysis path of a registered variant derives from its spec (VariantSpec.hf_kernel)
+# ----------------------------------------------------------------------------------------------
+
+
+def _square_norm(logits, ctx):
+    """A toy normalizer: squared shifted scores, rows normalized (no fused analysis for it)."""
+    w = torch.nan_to_num((logits - logits.amax(-1, keepdim=True)).exp().square(), nan=0.0)
+    return w / w.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("hf_kernel", [False, True])
+def test_a_registered_variant_without_fused_analysis_takes_the_generic_path(minilm, hf_kernel):
+    """A toy variant with its own normalizer: the generic materialized path (with a one-time note),
+    whether or not its spec claims hf_kernel (the fused analysis cannot compute its normalizer)."""
+    import warnings
+
+    from attnlab import register_variant
+    from attnlab.hf import weights as hw
+    from attnlab.normalizers import specs
+
+    name = f"toy_square_{int(hf_kernel)}"
+    register_variant(name, _square_norm, hf_kernel=hf_kernel, summary="toy")
+    try:
+        text = "The cat sat on the mat because it was tired."
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = hf.analyze(text, minilm, variants=("unas", name))
+            hf.analyze(text, minilm, variants=("unas", name))
+        notes = [c for c in caught if name in str(c.message) and "generic materialized" in str(c.message)]
+        assert len(notes) == 1  # once
+        w = result.windows[0]
+        assert w._sums is None and not hasattr(w.weights, "computed")  # materialized, plain dict
+        ids = torch.tensor([w.window.input_ids])
+        with torch.no_grad(), hf.capture_qk(minilm.model) as captured:
+            minilm.model(input_ids=ids)
+        for layer, c in enumerate(captured):
+            scores = c.query.float() @ c.key.float().transpose(-1, -2) * c.scaling
+            torch.testing.assert_close(w.weights[name][layer], attention_weights(scores, name)[0],
+                                       atol=1e-5, rtol=0)
+        table = result.table()
+        assert set(table.variant) == {"unas", name} and not table.value.isna().any()
+    finally:
+        specs.unregister_variant(name)
+        hw._noted.discard(name)
+
+
+def test_a_registered_variant_with_a_fused_normalizer_takes_the_fused_path(minilm):
+    """A toy variant declaring hf_kernel whose normalizer the fused analysis implements (DNAS's):
+    the fused path (row sums, lazy weights), its weights and statistics those of dnas."""
+    from attnlab import register_variant
+    from attnlab.normalizers import functions, specs
+
+    register_variant("toy_dnas", functions.dnas, hf_kernel=True, summary="dnas again")
+    try:
+        text = "The cat sat on the mat because it was tired."
+        toy = hf.analyze(text, minilm, variants=("unas", "toy_dnas"))
+        ref = hf.analyze(text, minilm, variants=("unas", "dnas"))
+        assert toy.windows[0]._sums is not None  # fused
+        assert torch.equal(toy.weights["toy_dnas"], ref.weights["dnas"])
+        a, b = toy.table(), ref.table()
+        a = a[a.variant == "toy_dnas"].value.to_numpy()
+        b = b[b.variant == "dnas"].value.to_numpy()
+        assert a.shape == b.shape and (a == b).all()
+    finally:
+        specs.unregister_variant("toy_dnas")
+
+
+@pytest.mark.parametrize("scale", [0.003, 0.05, 0.6])
+def test_fused_js_distances_are_accurate_for_close_and_far_rows(scale):
+    """The kernel's Jensen-Shannon terms (one logarithm each, ln x from the factors) against a float64
+    literal computation, for rows nearly equal to unas' (distances ~1e-3) and far from them."""
+    from attnlab.hf import fused_sums
+
+    torch.manual_seed(3)
+    L, H, N, D = 1, 2, 64, 16
+    q, k = torch.randn(L, 1, H, N, D), torch.randn(L, 1, H, N, D)
+    special = torch.zeros(N, dtype=torch.bool)
+    special[0] = True
+    weights, sums = fused_sums.variants_with_sums(q, k, [scale], KERNEL, 0.4, 3, [special])
+    pu = weights["unas"][0, 0].double()  # (H, N, N)
+    for v in ("dnas", "hnas", "sinkhorn"):
+        p = weights[v][0, 0].double()
+        m = (p + pu) / 2
+        js = 0.5 * (p * (p / m).log() + pu * (pu / m).log()).sum(-1) / math.log(2.0)
+        expected = js.clamp_min(0).sqrt()  # (H, N) JS distance, base 2
+        got = sums[v]["js"].reshape(H, N).double()
+        torch.testing.assert_close(got, expected, rtol=2e-4, atol=2e-7, msg=f"{v} at scale {scale}")

@@ -321,3 +321,27 @@ def test_every_registered_variant_on_native_checkpoints(variant):
     assert swapped_result.weights[variant].shape == result.weights[variant].shape
     gam = hf.analyze(TEXT, CKPT / "enc-gam", variants=(variant,))
     assert {"phi", "theta"} <= set(gam.components[variant])
+
+
+def test_swap_mode_copies_every_declared_parameter_of_the_variant():
+    """Swap mode builds the swapped-in model from every parameter the variant's spec declares (not a
+    list of names): Sinkhorn's iters reaches the model; tol, which a native attention module has no
+    field for, runs at its default (0) and any other value is refused, naming it."""
+    ids = None
+    for iters in (1, 2):
+        result = hf.analyze(TEXT, CKPT / "enc-unas", variants=("sinkhorn",), mode="swap", iters=iters,
+                            tol=0.0)
+        ids = torch.tensor([result.windows[0].window.input_ids])
+        base = models.load(CKPT / "enc-unas")
+        cfg = models.ModelConfig.from_dict({**base.config.to_dict(), "variant": "sinkhorn", "iters": iters})
+        ref_model = models.TransformerLM(cfg)
+        ref_model.load_state_dict(base.state_dict(), strict=False)
+        torch.testing.assert_close(result.weights["sinkhorn"], own_weights(ref_model.eval(), ids)[:, 0],
+                                   atol=2e-6, rtol=0)
+    one = hf.analyze(TEXT, CKPT / "enc-unas", variants=("sinkhorn", "dnas"), mode="swap", iters=1)
+    torch.testing.assert_close(one.weights["sinkhorn"], one.weights["dnas"], atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match=r"tol cannot be swapped into a native attnlab checkpoint.*tol=0\.1"):
+        hf.analyze(TEXT, CKPT / "enc-unas", variants=("sinkhorn",), mode="swap", tol=0.1)
+    # recompute mode takes tol (the generic path: the fused analysis runs every round)
+    rec = hf.analyze(TEXT, CKPT / "enc-unas", variants=("sinkhorn",), tol=0.1)
+    assert rec.weights["sinkhorn"].shape[-1] == ids.shape[1]

@@ -1,7 +1,11 @@
-// attnlab CPU kernel for attnlab.hf: one head of the fused analysis (attnlab/hf/weights.py, _variants_with_sums).
+// attnlab CPU kernel for attnlab.hf: one head of the fused analysis (attnlab/hf/fused_sums.py, variants_with_sums).
 //
 //   head(q, k, scale, spec_t, iters, check_span, u, pu?, pd?, ph?, ps?, s, e, alpha, beta, cols,
-//        dn_rows, sk_rows, stats, js_dnas, js_hnas, js_sinkhorn) -> bool
+//        dn_rows, sk_rows, stats, js_dnas, js_hnas, js_sinkhorn, hnas, sinkhorn) -> bool
+//
+// hnas, sinkhorn: those variants are analysed (their factors and sums) whether or not their weights
+// are asked for (ph, ps): the statistics come from this pass without writing any weights, and a
+// variant's weights, written later by the same call, have the same values (attnlab/hf/lazy_weights.py).
 //
 // q, k (N, D): the head's queries and keys; scores s = scale q k^T. Returns false, having written
 // nothing but s, when check_span and the scores span more than kLinearSpanMax nats (the caller
@@ -110,6 +114,53 @@ inline Vec js_terms(const Vec& p, const Vec& q, const Vec& floor) {
   const __m512 nd = _mm512_sub_ps(_mm512_setzero_ps(), d);
   return at::vec::fmadd(p, vlog1p_floor(d, floor), q * vlog1p_floor(nd, floor));
 }
+#elif defined(CPU_CAPABILITY_AVX2)
+// The same ln x as the AVX-512 version for AVX2 (no getexp/scalef): the exponent and mantissa from
+// the bits, m in [1, 2) halved (exponent + 1) when above sqrt2, then Cephes' logf polynomial. x = 0
+// gives about -88 (a caller's floor ln(tiny) = -87.3 takes over); x > 0 subnormal likewise. Sleef's
+// 1-ulp log and log1p (Vectorized::log, ::log1p) took most of this kernel's time on AVX2 machines.
+inline __m256 fast_log(__m256 x) {
+  const __m256i xi = _mm256_castps_si256(x);
+  __m256 e = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(xi, 23), _mm256_set1_epi32(127)));
+  __m256 m = _mm256_castsi256_ps(
+      _mm256_or_si256(_mm256_and_si256(xi, _mm256_set1_epi32(0x007fffff)), _mm256_set1_epi32(0x3f800000)));
+  const __m256 big = _mm256_cmp_ps(m, _mm256_set1_ps(1.41421356f), _CMP_GT_OQ);
+  m = _mm256_blendv_ps(m, _mm256_mul_ps(m, _mm256_set1_ps(0.5f)), big);
+  e = _mm256_add_ps(e, _mm256_and_ps(big, _mm256_set1_ps(1.f)));
+  const __m256 f = _mm256_sub_ps(m, _mm256_set1_ps(1.f));
+  __m256 p = _mm256_set1_ps(7.0376836292e-2f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(-1.1514610310e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.1676998740e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(-1.2420140846e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.4249322787e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(-1.6668057665e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.0000714765e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(-2.4999993993e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(3.3333331174e-1f));
+  const __m256 z = _mm256_mul_ps(f, f);
+  __m256 y = _mm256_mul_ps(_mm256_mul_ps(p, f), z);
+  y = _mm256_fmadd_ps(e, _mm256_set1_ps(-2.12194440e-4f), y);
+  y = _mm256_fnmadd_ps(z, _mm256_set1_ps(0.5f), y);
+  return _mm256_add_ps(_mm256_add_ps(f, y), _mm256_mul_ps(e, _mm256_set1_ps(0.693359375f)));
+}
+// 1 / t: the 12-bit estimate and one Newton step (~23 bits)
+inline __m256 recip(__m256 t) {
+  const __m256 r = _mm256_rcp_ps(t);
+  return _mm256_mul_ps(r, _mm256_fnmadd_ps(t, r, _mm256_set1_ps(2.f)));
+}
+inline Vec vlog_floor(const Vec& x, const Vec& floor) {
+  return Vec(_mm256_max_ps(fast_log(static_cast<__m256>(x)), static_cast<__m256>(floor)));
+}
+inline Vec vlog1p_floor(__m256 d, const Vec& floor) {
+  const __m256 u = _mm256_add_ps(d, _mm256_set1_ps(1.f));
+  const __m256 c = _mm256_mul_ps(_mm256_sub_ps(d, _mm256_sub_ps(u, _mm256_set1_ps(1.f))), recip(u));
+  return Vec(_mm256_max_ps(_mm256_add_ps(fast_log(u), c), static_cast<__m256>(floor)));
+}
+inline Vec js_terms(const Vec& p, const Vec& q, const Vec& floor) {
+  const __m256 d = _mm256_mul_ps(static_cast<__m256>(p - q), recip(static_cast<__m256>(p + q)));
+  const __m256 nd = _mm256_sub_ps(_mm256_setzero_ps(), d);
+  return at::vec::fmadd(p, vlog1p_floor(d, floor), q * vlog1p_floor(nd, floor));
+}
 #else
 inline Vec vlog_floor(const Vec& x, const Vec& floor) { return at::vec::maximum(x.log(), floor); }
 inline Vec js_terms(const Vec& p, const Vec& q, const Vec& floor) {
@@ -120,6 +171,61 @@ inline Vec js_terms(const Vec& p, const Vec& q, const Vec& floor) {
 inline float js_term(float p, float q, float log_tiny) {
   const float d = (p - q) / (p + q);
   return p * std::max(std::log1p(d), log_tiny) + q * std::max(std::log1p(-d), log_tiny);
+}
+
+// ln x and 1 / t on whole vectors: the fast versions above where they exist, else ATen's
+inline Vec vlog(const Vec& x) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return Vec(fast_log(static_cast<__m512>(x)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return Vec(fast_log(static_cast<__m256>(x)));
+#else
+  return x.log();
+#endif
+}
+inline Vec vrecip(const Vec& t) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512 tt = static_cast<__m512>(t);
+  const __m512 r = _mm512_rcp14_ps(tt);
+  return Vec(_mm512_mul_ps(r, _mm512_fnmadd_ps(tt, r, _mm512_set1_ps(2.f))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return Vec(recip(static_cast<__m256>(t)));
+#else
+  return Vec(1.f) / t;
+#endif
+}
+
+// ln(1 + f) for f in [1/sqrt2 - 1, sqrt2 - 1] by the polynomial of fast_log with no exponent, from f
+// itself (not from 1 + f rounded: with -fassociative-math no rounding correction survives).
+inline Vec vlog1p_small(const Vec& f) {
+  Vec p(7.0376836292e-2f);
+  p = at::vec::fmadd(p, f, Vec(-1.1514610310e-1f));
+  p = at::vec::fmadd(p, f, Vec(1.1676998740e-1f));
+  p = at::vec::fmadd(p, f, Vec(-1.2420140846e-1f));
+  p = at::vec::fmadd(p, f, Vec(1.4249322787e-1f));
+  p = at::vec::fmadd(p, f, Vec(-1.6668057665e-1f));
+  p = at::vec::fmadd(p, f, Vec(2.0000714765e-1f));
+  p = at::vec::fmadd(p, f, Vec(-2.4999993993e-1f));
+  p = at::vec::fmadd(p, f, Vec(3.3333331174e-1f));
+  const Vec z = f * f;
+  return f + at::vec::fmadd(Vec(-0.5f), z, p * f * z);
+}
+
+// js_terms(p, q) when ln x, x = p / q, is known (from the variants' factors: no logarithm per entry):
+// with m = (p + q) / 2 and d = (p - q) / (p + q), p log1p(d) + q log1p(-d) = m [ln(1 - d^2) + d ln x].
+// Both terms are O(d^2) for close rows and an error in ln x counts d times: no cancellation.
+// ln(1 - d^2): the polynomial of -d^2 while d^2 < 0.29, else the logarithm of 4 p q / (p + q)^2
+// (accurate where 1 - d^2 is small); where even that underflows (one weight under ~1e-20 of the
+// other) the terms are (p + q) ln 2 to float precision.
+inline Vec js_terms_lnx(const Vec& p, const Vec& q, const Vec& lnx) {
+  const Vec t = p + q, r = vrecip(t);
+  const Vec d = (p - q) * r, d2 = d * d;
+  const Vec u2 = Vec(4.f) * p * q * r * r;
+  const Vec near = d2 < Vec(0.29f);
+  const Vec L = Vec::blendv(vlog(u2), vlog1p_small(Vec(0.f) - d2), near);
+  const Vec terms = Vec(0.5f) * t * at::vec::fmadd(d, lnx, L);
+  const Vec apart = (u2 < Vec(1e-20f)) & (d2 >= Vec(0.29f));
+  return Vec::blendv(terms, t * Vec(0.69314718f), apart);
 }
 
 inline bool aligned(const float* p) {
@@ -182,6 +288,7 @@ struct Head {
   float *pu, *pd, *ph, *ps;
   float u;
   bool js_d, js_h, js_s;
+  bool want_h;  // hnas is analysed (its sums), whether or not its weights are written (ph)
 };
 
 // s -= row max; e = exp(s); r_i = sum_j e_ij -> dn[:, 0]; beta_d = 1 / sum_i rho_i e_ij
@@ -267,8 +374,12 @@ void row_pass(Head& h, bool sinkhorn_final) {
   const float* bd = h.beta + N;
   const float* bs = h.beta + 2 * N;
   const float log_tiny = std::log(std::numeric_limits<float>::min());
-  std::vector<float> blnb, bspec, idx(N);
+  std::vector<float> blnb, bspec, idx(N), lbd(N), lbs(N);
   for (int64_t j = 0; j < N; ++j) idx[j] = float(j);
+  for (int64_t j = 0; j < N; ++j) {  // ln x of the JS terms: ln(alpha_v / alpha_u) + ln beta_v,j
+    lbd[j] = std::log(bd[j]);
+    lbs[j] = std::log(bs[j]);
+  }
   if (sinkhorn_final) {
     blnb.resize(N);
     bspec.resize(S * N);
@@ -296,6 +407,7 @@ void row_pass(Head& h, bool sinkhorn_final) {
     }
     const float au = h.alpha[i], ad = h.alpha[N + i], as = h.alpha[2 * N + i];
     const Vec vau(au), vad(ad), vas(as), vi(static_cast<float>(i));
+    const Vec lr_d(std::log(ad / au)), lr_s(std::log(as / au)), ln_au(std::log(au));
     Vec a_es_u(0.f), a_es_d(0.f), a_es_s(0.f), a_ed_u(0.f), a_ed_d(0.f), a_ed_s(0.f), a_h(0.f);
     Vec a_jd(0.f), a_jh(0.f), a_js(0.f);
     const int64_t n_vec = N - N % Vec::size();
@@ -316,13 +428,14 @@ void row_pass(Head& h, bool sinkhorn_final) {
       if (h.pu) store(h.pu + i * N + j, PU, st_u);
       if (h.pd) store(h.pd + i * N + j, PD, st_d);
       if (h.ps) store(h.ps + i * N + j, PS, st_s);
-      if (h.ph) {
-        store(h.ph + i * N + j, PH, st_h);
-        a_h = at::vec::fmadd(PH, vlog_floor(PH, vtiny), a_h);  // 0 ln 0 = 0
+      if (h.want_h) {  // ln h = ln pu + ln(h / pu), ln pu = ln alpha_u + s (E = exp(s)): one logarithm
+        if (h.ph) store(h.ph + i * N + j, PH, st_h);
+        const Vec lnx_h = vlog(PH * vrecip(PU));
+        a_h = at::vec::fmadd(PH, at::vec::maximum(Sv + ln_au + lnx_h, vtiny), a_h);  // 0 ln 0 = 0
+        if (h.js_h) a_jh = a_jh + js_terms_lnx(PH, PU, lnx_h);
       }
-      if (h.js_h) a_jh = a_jh + js_terms(PH, PU, vtiny);
-      if (h.js_s) a_js = a_js + js_terms(PS, PU, vtiny);
-      if (h.js_d) a_jd = a_jd + js_terms(PD, PU, vtiny);
+      if (h.js_s) a_js = a_js + js_terms_lnx(PS, PU, lr_s + Vec::loadu(lbs.data() + j));
+      if (h.js_d) a_jd = a_jd + js_terms_lnx(PD, PU, lr_d + Vec::loadu(lbd.data() + j));
     }
     float r[kStats] = {sum_of(a_es_u), sum_of(a_es_d), sum_of(a_es_s), sum_of(a_ed_u), sum_of(a_ed_d),
                        sum_of(a_ed_s), sum_of(a_h), sum_of(a_jd), sum_of(a_jh), sum_of(a_js)};
@@ -336,8 +449,8 @@ void row_pass(Head& h, bool sinkhorn_final) {
       if (h.pu) h.pu[i * N + j] = PU;
       if (h.pd) h.pd[i * N + j] = PD;
       if (h.ps) h.ps[i * N + j] = PS;
-      if (h.ph) {
-        h.ph[i * N + j] = PH;
+      if (h.want_h) {
+        if (h.ph) h.ph[i * N + j] = PH;
         r[6] += PH * std::max(std::log(PH), log_tiny);
       }
       if (h.js_d) r[7] += js_term(PD, PU, log_tiny);
@@ -368,7 +481,7 @@ bool head(const at::Tensor& q, const at::Tensor& k, double scale, const at::Tens
           const c10::optional<at::Tensor>& ph, const c10::optional<at::Tensor>& ps, const at::Tensor& s,
           const at::Tensor& e, const at::Tensor& alpha, const at::Tensor& beta, const at::Tensor& cols,
           const at::Tensor& dn_rows, const at::Tensor& sk_rows, const at::Tensor& stats, bool js_dnas,
-          bool js_hnas, bool js_sinkhorn) {
+          bool js_hnas, bool js_sinkhorn, bool hnas, bool sinkhorn) {
   const int64_t N = q.size(0), S = spec_t.size(0);
   TORCH_CHECK(q.dim() == 2 && k.dim() == 2 && k.size(0) == N && k.size(1) == q.size(1) &&
                   q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat,
@@ -385,8 +498,8 @@ bool head(const at::Tensor& q, const at::Tensor& k, double scale, const at::Tens
   Head h{N, S, s.data_ptr<float>(), e.data_ptr<float>(), alpha.data_ptr<float>(), beta.data_ptr<float>(),
          cols.data_ptr<float>(), dn_rows.data_ptr<float>(), sk_rows.data_ptr<float>(), stats.data_ptr<float>(),
          spec_t.data_ptr<float>(), out_ptr(pu, N, "pu"), out_ptr(pd, N, "pd"), out_ptr(ph, N, "ph"),
-         out_ptr(ps, N, "ps"), float(u), js_dnas, js_hnas, js_sinkhorn};
-  TORCH_CHECK(!js_hnas || h.ph, "head: js_hnas needs ph");
+         out_ptr(ps, N, "ps"), float(u), js_dnas, js_hnas, js_sinkhorn, hnas || (ph.has_value() && ph->defined())};
+  TORCH_CHECK(!js_hnas || h.want_h, "head: js_hnas needs hnas");
   at::Tensor s_ = s;
   at::addmm_out(s_, s, q, k.t(), /*beta=*/0, /*alpha=*/scale);  // scores (BLAS)
   std::vector<float> mu(N);
@@ -396,7 +509,7 @@ bool head(const at::Tensor& q, const at::Tensor& k, double scale, const at::Tens
   exp_pass(h, mu, gmax);
   dnas_pass(h);
   std::fill(h.beta, h.beta + N, 1.f);
-  const bool rounds = ps.has_value() && ps->defined() && iters > 1;
+  const bool rounds = (sinkhorn || (ps.has_value() && ps->defined())) && iters > 1;
   if (rounds) {
     sinkhorn_rounds(h, iters);
   } else {  // sinkhorn with one round is dnas
@@ -414,7 +527,7 @@ TORCH_LIBRARY(attnlab_hf, m) {
   m.def("head(Tensor q, Tensor k, float scale, Tensor spec_t, int iters, bool check_span, float u, "
         "Tensor(a!)? pu, Tensor(b!)? pd, Tensor(c!)? ph, Tensor(d!)? ps, Tensor(e!) s, Tensor(f!) e, "
         "Tensor(g!) alpha, Tensor(h!) beta, Tensor(i!) cols, Tensor(j!) dn_rows, Tensor(k!) sk_rows, "
-        "Tensor(l!) stats, bool js_dnas, bool js_hnas, bool js_sinkhorn) -> bool");
+        "Tensor(l!) stats, bool js_dnas, bool js_hnas, bool js_sinkhorn, bool hnas, bool sinkhorn) -> bool");
 }
 
 TORCH_LIBRARY_IMPL(attnlab_hf, CPU, m) { m.impl("head", &head); }

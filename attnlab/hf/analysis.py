@@ -22,6 +22,7 @@ import torch
 from attnlab import stats
 from attnlab.hf import contribution_view
 from attnlab.hf.interface import DEFAULT_U
+from attnlab.hf.lazy_weights import batch_item
 from attnlab.hf.loading import LoadedModel, ModelInfo, model_on
 from attnlab.hf.native import NativeModel, learned_u, native_weights
 from attnlab.hf.results import (  # noqa: F401  (re-exported: their old home)
@@ -122,10 +123,11 @@ class AnalysisStream:
             weights, sums = window_weights_and_sums(
                 self.loaded, ids, self.variants, self.mode, self.params, masks
             )
-        weights = {v: w[:, 0] for v, w in weights.items()}
+        weights = batch_item(weights, 0)  # (L, H, N, N) each; computed on first access when lazy
         cache = None
         if sums is not None:  # the statistics layer's public result type, one per variant
-            shape = tuple(next(iter(weights.values())).shape)  # (L, H, N, N)
+            N = ids.shape[1]
+            shape = (self.model.n_layers, self.model.n_heads, N, N)  # (L, H, N, N): no weight computed
             sums = {v: stats.RowSums.from_dict(raw, shape) for v, raw in sums.items()}
             cache = (sums, masks, _fingerprint(weights))
         return WindowResult(window=window, weights=weights, u=self.u, _sums=cache, values=record.values())

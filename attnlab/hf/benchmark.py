@@ -41,9 +41,10 @@ def benchmark_analysis(n_tokens: int = 512, repeats: int = 5, model=None, thread
 
     Returns medians in seconds: ``analyse_s`` (tokenize, forward with capture, weights, statistics),
     ``weights_s`` (``analyze`` alone: it computes the statistics' row sums together with the weights),
-    ``statistics_s`` (``table()`` from those sums), ``forward_s`` (the model's own forward on the same
-    tokens) and ``ratio_to_forward`` = analyse_s / forward_s. ``threads`` sets torch's CPU threads for
-    the run (restored afterwards).
+    ``statistics_s`` (``table()`` from those sums), ``weights_on_access_s`` (reading every variant's
+    weights afterwards: they are computed on first access, not by the analysis), ``forward_s`` (the
+    model's own forward on the same tokens) and ``ratio_to_forward`` = analyse_s / forward_s.
+    ``threads`` sets torch's CPU threads for the run (restored afterwards).
     """
     previous_threads = torch.get_num_threads()
     if threads:
@@ -77,12 +78,15 @@ def _benchmark(n_tokens: int, repeats: int, model) -> dict:
         raise RuntimeError(f"benchmark text spans {result.n_windows} windows; expected one")
     window = result.windows[0]
     forward()
-    t_forward, t_analyse, t_weights, t_stats = [], [], [], []
+    t_forward, t_analyse, t_weights, t_stats, t_access = [], [], [], [], []
     for _ in range(repeats):  # interleaved, so that load changes on a shared machine hit all alike
         t_forward += _timed(forward, 1)
         t_analyse += _timed(analyse, 1)
         t_weights += _timed(lambda: analyze(text, loaded, window=n_tokens), 1)
         t_stats += _timed(window.table, 1)
+        fresh = analyze(text, loaded, window=n_tokens).windows[0].weights
+        t_access += _timed(fresh.values, 1)  # every variant's weights, computed on first access
+        del fresh
     fwd, total = statistics.median(t_forward), statistics.median(t_analyse)
     return {
         "model": loaded.info.name,
@@ -95,7 +99,8 @@ def _benchmark(n_tokens: int, repeats: int, model) -> dict:
         "analyse_s": total,
         "weights_s": statistics.median(t_weights),
         "statistics_s": statistics.median(t_stats),
+        "weights_on_access_s": statistics.median(t_access),
         "ratio_to_forward": total / fwd,
-        "targets": {"analyse_s": 1.5, "ratio_to_forward": 3.0},
+        "targets": {"analyse_s": 1.5, "ratio_to_forward": 1.2},
         "torch": torch.__version__,
     }

@@ -65,9 +65,13 @@ ROW_SUMS = (
 _COL = {name: i for i, name in enumerate(ROW_SUMS)}
 
 
-def variants_with_sums(q, k, scale, variants, u, iters, specials, use_kernel: bool = True):
-    """Weights of every variant (like :func:`_variants_unmasked`, B = 1) and, computed while each
-    head's matrices are in cache, the row sums of ``attnlab.stats.engine.row_sums_dict`` for the tidy table.
+def variants_with_sums(q, k, scale, variants, u, iters, specials, use_kernel: bool = True, write=None,
+                       sums: bool = True):
+    """Weights of the variants in ``write`` (default: every variant; like :func:`_variants_unmasked`,
+    B = 1) and, computed while each head's matrices are in cache, the row sums of every variant
+    (``attnlab.stats.engine.row_sums_dict``) for the tidy table. The statistics need no weights
+    written (``write=()``): a variant's weights, written by a later call with the same arguments, have
+    the values they would have had (attnlab/hf/lazy_weights.py materializes them on first access).
 
     For heads whose scores span at most ``LINEAR_SPAN_MAX`` every variant is a diagonal scaling of one
     matrix E_ij = exp(s_ij - max_j s_ij): unas = diag(alpha_u) E, dnas = diag(alpha_d) E diag(beta_d),
@@ -83,8 +87,9 @@ def variants_with_sums(q, k, scale, variants, u, iters, specials, use_kernel: bo
     their sums is one sweep in attnlab's CPU kernel ``attnlab_hf.head`` (:mod:`attnlab.kernels`) when
     it is built, else PyTorch operations on blocks of rows (:func:`_rows_torch`, the same results).
 
-    q, k: (L, 1, H, N, D); specials: list of S bool (N,) key masks. Returns ({variant: (L, 1, H, N, N)},
-    {variant: row sums over L*H maps}); ``js`` (to unas) when unas is among the variants.
+    q, k: (L, 1, H, N, D); specials: list of S bool (N,) key masks. Returns ({variant in write: (L, 1, H,
+    N, N)}, {variant: row sums over L*H maps} or None without ``sums``); ``js`` (to unas) when unas is
+    among the variants.
     """
     from attnlab import kernels  # (not at import: importing attnlab builds nothing)
 
@@ -93,7 +98,8 @@ def variants_with_sums(q, k, scale, variants, u, iters, specials, use_kernel: bo
     assert B == 1
     LH = L * H
     ref = "unas" if "unas" in variants else None
-    out = {v: _POOL.empty((L, B, H, N, N)) for v in variants}
+    write = variants if write is None else tuple(write)
+    out = {v: _POOL.empty((L, B, H, N, N)) for v in write}
     spec = torch.stack([m.to(q.dtype) for m in specials], -1) if specials else q.new_zeros(N, 0)  # (N, S)
     S = spec.shape[-1]
     dist = distance_matrix(N, N, q)  # (N, N) |i - j|
@@ -117,14 +123,14 @@ def variants_with_sums(q, k, scale, variants, u, iters, specials, use_kernel: bo
         if threads is not None:
             torch.set_num_threads(threads)
         R = min(N, _BLOCK_ROWS)
-        scratch = [q.new_empty(N, N), q.new_empty(N, N), q.new_empty(4, R, N)]
+        scratch = [q.new_empty(N, N), q.new_empty(N, N), q.new_empty(6, R, N)]
         while True:
             try:
                 row = queue.pop(0)  # atomic under the GIL
             except IndexError:
                 return
             layer, h = divmod(row, H)
-            views = {v: out[v][layer, 0, h] for v in variants}
+            views = {v: out[v][layer, 0, h] for v in write}
             ql, kl, u_h = q[layer, 0, h], k[layer, 0, h], float(u_maps[row])
             check_span = span_bound[row] > LINEAR_SPAN_MAX
             if kernel is not None:  # the whole head in the CPU kernel (attnlab/csrc/analysis_cpu.cpp)
@@ -132,7 +138,8 @@ def variants_with_sums(q, k, scale, variants, u, iters, specials, use_kernel: bo
                 if kernel.head(ql, kl, scale[layer], spec_t, iters, check_span, u_h,
                                *(views.get(v) for v in ("unas", "dnas", "hnas", "sinkhorn")), *scratch[:2],
                                buf.alpha[row], buf.beta[row], buf.cols[row], buf.dn_rows[row],
-                               buf.sk_rows[row], buf.rows[row], "dnas" in js, "hnas" in js, "sinkhorn" in js):
+                               buf.sk_rows[row], buf.rows[row], "dnas" in js, "hnas" in js, "sinkhorn" in js,
+                               "hnas" in variants, "sinkhorn" in variants):
                     continue
             else:
                 s = scratch[0]
@@ -160,6 +167,8 @@ def variants_with_sums(q, k, scale, variants, u, iters, specials, use_kernel: bo
                     f.result()
         finally:
             torch.set_num_threads(previous)
+    if not sums:
+        return out, None
     raw = _assemble_sums(buf, variants, ref, u_maps, iters, S)
     for row, sums in fallback:
         for v, r in sums.items():
@@ -189,8 +198,10 @@ def _wide_head(q, k, scale, u, layer, h, views, variants, iters, spec, dist, ref
                               [scale[layer]], variants, u_w, iters)
     sums = {}
     for v in sorted(variants, key=lambda n: n != ref):
-        views[v].copy_(part[v][0, 0, 0])
-        sums[v] = row_sums_dict(views[v][None], spec, dist, None if ref is None or v == ref else views[ref])
+        w = part[v][0, 0, 0]  # (N, N)
+        if v in views:
+            views[v].copy_(w)
+        sums[v] = row_sums_dict(w[None], spec, dist, None if ref is None or v == ref else part[ref][0, 0, 0])
     return {v: {key: None if t is None else t[0] for key, t in r.items()} for v, r in sums.items()}
 
 
@@ -209,7 +220,7 @@ def _head_linear(s, e, blocks, rho, views, buf: _FusedBuffers, row: int, u: floa
     torch.mm(e, w, out=dn)  # r_i = sum_j E_ij, R_i = sum_j E_ij beta_j, ...
     torch.reciprocal(dn[:, :2].t(), out=alpha[:2])  # alpha_u = 1 / r, alpha_d = 1 / R (dnas row step)
     torch.mm(alpha[:2], e, out=buf.cols[row, :2])  # unas column masses; dnas' before beta_d
-    if "sinkhorn" in views and cfg.iters > 1:
+    if "sinkhorn" in cfg.variants and cfg.iters > 1:
         b = buf.cols[row, 1].reciprocal()  # Sinkhorn's second column step (its first round is dnas)
         for _ in range(cfg.iters - 2):
             a = torch.mv(e, b).reciprocal_()  # row step
@@ -225,34 +236,37 @@ def _head_linear(s, e, blocks, rho, views, buf: _FusedBuffers, row: int, u: floa
 
 
 def _rows_torch(s, e, blocks, views, sums, alpha, beta, u: float, cfg: _HeadSettings) -> None:
-    """The row pass of :func:`_head_linear` with PyTorch operations: the weights, and the sums of
+    """The row pass of :func:`_head_linear` with PyTorch operations: the weights of the variants in
+    ``views`` (the others' rows go to scratch, when their sums need them), and the sums of
     ``ROW_SUMS`` into ``sums`` (N, len(ROW_SUMS)), a block of rows at a time (kept in L2 cache)."""
     factors = beta.t()  # (N, 3)
     N, R = e.shape[0], blocks.shape[1]
-    pu_v, pd_v, ph_v, ps_v = (views.get(v) for v in ("unas", "dnas", "hnas", "sinkhorn"))
+    analysed = set(cfg.variants)
+    need = {"unas": bool(analysed & {"unas", "hnas"}), "dnas": bool(analysed & {"dnas", "hnas"}),
+            "hnas": "hnas" in analysed, "sinkhorn": "sinkhorn" in analysed}
     for i0 in range(0, N, R):
         rows = slice(i0, min(i0 + R, N))
-        x, y, tu, td = blocks[:, : rows.stop - i0]
+        x, y, *spare = blocks[:, : rows.stop - i0]  # scratch (R, N) each; spare: unas, dnas, hnas, sinkhorn
         eb, out = e[rows], sums[rows]
         # products for the entropies and distances of unas, dnas, sinkhorn
         torch.mm(torch.mul(eb, s[rows], out=x), factors, out=out[:, 0:3])
         torch.mm(torch.mul(eb, cfg.dist[rows], out=x), factors, out=out[:, 3:6])
-        pu = pu_v[rows] if pu_v is not None else (tu if ph_v is not None else None)
-        if pu is not None:
-            torch.mul(eb, alpha[0, rows, None], out=pu)
-        pd = pd_v[rows] if pd_v is not None else (td if ph_v is not None else None)
-        if pd is not None:
-            torch.mul(eb, beta[1], out=pd).mul_(alpha[1, rows, None])
-        if ps_v is not None:
-            torch.mul(eb, beta[2], out=ps_v[rows]).mul_(alpha[2, rows, None])
-        if ph_v is not None:  # and sum_j x ln x of the hnas weights
-            ph = torch.lerp(pu, pd, u, out=ph_v[rows])
+        p = {v: (views[v][rows] if v in views else spare[c]) if need[v] else None
+             for c, v in enumerate(("unas", "dnas", "hnas", "sinkhorn"))}  # this block's rows
+        if p["unas"] is not None:
+            torch.mul(eb, alpha[0, rows, None], out=p["unas"])
+        if p["dnas"] is not None:
+            torch.mul(eb, beta[1], out=p["dnas"]).mul_(alpha[1, rows, None])
+        if p["sinkhorn"] is not None:
+            torch.mul(eb, beta[2], out=p["sinkhorn"]).mul_(alpha[2, rows, None])
+        if p["hnas"] is not None:  # and sum_j x ln x of the hnas weights
+            ph = torch.lerp(p["unas"], p["dnas"], u, out=p["hnas"])
             t = torch.log(ph, out=x)
             if cfg.clamp_hnas:
                 t.clamp_min_(math.log(torch.finfo(ph.dtype).tiny))
             torch.sum(t.mul_(ph), -1, out=out[:, _COL["h_xlogx"]])
         for v in cfg.js_variants:  # 2 JSD(v, unas) per row (every weight > 0 in a linear head)
-            js2_rowsum(views[v][rows], pu, x, y, out=out[:, _COL["js2_" + v]], positive=True)
+            js2_rowsum(p[v], p["unas"], x, y, out=out[:, _COL["js2_" + v]], positive=True)
 
 
 def _assemble_sums(buf: _FusedBuffers, variants, ref, u_maps, iters, S) -> dict:

@@ -6,17 +6,35 @@ work in log space (:func:`_layer_log`). Shapes: q, k (L, B, H, N, D); weights (L
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 
-# The variants the fused analysis (this module's linear/log layer passes and attnlab_hf.head) is
-# written for; their specs declare hf_kernel. Any other variant takes the generic materialized path.
-KERNEL_VARIANTS = ("unas", "dnas", "hnas", "sinkhorn")
+from attnlab.normalizers import functions as fn
+
+# The slots of the fused analysis (this module's linear/log layer passes and attnlab_hf.head): the
+# normalizers whose math it implements, each computed into its slot. A variant takes it when its spec
+# declares ``hf_kernel`` (for its parameters) and its normalizer is one of these (:func:`fused_slot`);
+# any other takes the generic materialized path.
+FUSED_NORMALIZERS = {fn.unas: "unas", fn.dnas: "dnas", fn.hnas: "hnas", fn.sinkhorn: "sinkhorn"}
+KERNEL_VARIANTS = tuple(FUSED_NORMALIZERS.values())  # the slots, in the kernel's output order
+
+
+def fused_slot(spec, params: Mapping[str, Any]) -> str | None:
+    """The fused analysis' slot that computes ``spec``'s variant with these (checked) parameters, or
+    None: its spec declares no hf kernel (``VariantSpec.hf_kernel``, a bool or a predicate of the
+    parameters), or its normalizer is not one the fused analysis implements."""
+    kernel = spec.hf_kernel
+    if not (kernel(params) if callable(kernel) else kernel):
+        return None
+    return FUSED_NORMALIZERS.get(spec.normalizer)
 
 
 def _check_kernel_variants(variants) -> None:
     other = [v for v in variants if v not in KERNEL_VARIANTS]
     if other:  # never hand out buffers nobody fills
-        raise ValueError(f"variants {other} have no fused analysis path (only {KERNEL_VARIANTS})")
+        raise ValueError(f"variants {other} are not slots of the fused analysis ({KERNEL_VARIANTS})")
 
 
 # A head whose scores span at most this many nats has exp(s - max) >= e^-60 ~ 1e-26 everywhere: normal

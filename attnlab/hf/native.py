@@ -43,7 +43,7 @@ import torch
 from attnlab.hf.interface import DEFAULT_U
 from attnlab.hf.loading import LoadedModel, ModelInfo, ModelLoadError, resolve_device
 from attnlab.hf.native_tokenizer import NativeTokenizer
-from attnlab.normalizers import attention_weights, check_params
+from attnlab.normalizers import attention_weights, check_params, variant_spec
 
 __all__ = [
     "NativeModel",
@@ -264,23 +264,25 @@ def _layer_weights(c: AttentionInputs, variant: str, params: dict) -> tuple[torc
     return _standard_layer(c, variant, params), {}
 
 
-def _swapped_model(loaded: NativeModel, variant: str, u, iters: int):
-    """The checkpoint's weights with ``variant`` in every layer (HNAS layers get theta = logit(u),
-    clamped to u in [1e-6, 1 - 1e-6]); the checkpoint itself when it already is that variant."""
+def _swapped_model(loaded: NativeModel, variant: str, u, settings: Mapping[str, Any]):
+    """The checkpoint's weights with ``variant`` in every layer, its parameters ``settings``
+    (:func:`_swap_settings`; HNAS layers get theta = logit(u), clamped to u in [1e-6, 1 - 1e-6]); the
+    checkpoint itself when it already is that variant with those parameters."""
     from attnlab.models import ModelConfig, TransformerLM
 
     base = loaded.model.config
-    if base.layer_variants() == [variant] * base.n_layers:
+    if base.layer_variants() == [variant] * base.n_layers and all(
+            getattr(base, name) == value for name, value in settings.items()):
         own = learned_u(loaded)
         if variant != "hnas" or (isinstance(u, torch.Tensor) and own is not None and torch.equal(u, own)):
             return loaded.model
     u_key = None if u is None else (u if isinstance(u, float) else tuple(u.flatten().tolist()))
-    key = (variant, iters, u_key)
+    key = (variant, tuple(sorted(settings.items())), u_key)
     with loaded.lock:
         if key not in loaded._swapped:
             if len(loaded._swapped) >= 8:
                 loaded._swapped.pop(next(iter(loaded._swapped)))
-            cfg = ModelConfig.from_dict({**base.to_dict(), "variant": variant, "iters": iters})
+            cfg = ModelConfig.from_dict({**base.to_dict(), "variant": variant, **settings})
             model = TransformerLM(cfg)
             got = model.load_state_dict(loaded.model.state_dict(), strict=False)
             odd = [k for k in (*got.missing_keys, *got.unexpected_keys) if not k.endswith("hybrid.theta")]
@@ -338,7 +340,7 @@ def native_weights(
             runs = [(loaded.model, tuple(variants))]
         else:
             u = tables.get("u", params.get("u", check_params("hnas", {})["u"]))
-            runs = [(_swapped_model(loaded, v, u, _rounds(v, params, info.causal, loaded)), (v,))
+            runs = [(_swapped_model(loaded, v, u, _swap_settings(v, params, info.causal)), (v,))
                     for v in variants]
         for model, names in runs:
             with capture_attention_inputs(model) as captured:
@@ -354,11 +356,34 @@ def native_weights(
     return out, {v: _stack_parts(parts[v], out[v]) for v in variants}
 
 
-def _rounds(variant: str, params: dict, causal: bool, loaded: NativeModel) -> int:
-    """ModelConfig.iters of the swapped-in model: Sinkhorn's rounds (its causal rule applied)."""
-    if variant != "sinkhorn":
-        return loaded.model.config.iters
-    return check_params("sinkhorn", {"iters": params.get("iters")}, causal=causal)["iters"]
+def _swap_settings(variant: str, params: Mapping[str, Any], causal: bool) -> dict:
+    """ModelConfig fields of the swapped-in model: every parameter the variant's spec declares, as
+    given or its default (checked, the spec's causal rule applied), ``u`` apart (it sets theta).
+    A native model's attention modules take a variant's parameters through their config
+    (``attnlab.modules.AttentionConfig``); a parameter they have no field for runs at its default, so
+    another value of it is refused (ValueError naming it) rather than silently ignored."""
+    from dataclasses import fields
+
+    from attnlab.models import ModelConfig
+
+    spec = variant_spec(variant)
+    declared = {p.name for p in spec.params}
+    given = {name: value for name, value in params.items() if name in declared and value is not None}
+    full = check_params(variant, given, causal=causal)
+    settable = {f.name for f in fields(ModelConfig)}
+    settings = {}
+    for p in spec.params:
+        if p.name == "u":
+            continue
+        value = full[p.name]
+        if p.name in settable and not isinstance(value, torch.Tensor):
+            settings[p.name] = value
+        elif isinstance(value, torch.Tensor) or value != p.default:
+            raise ValueError(
+                f"{p.name} cannot be swapped into a native attnlab checkpoint: its attention modules take "
+                f"{sorted(declared & settable)} of {variant}'s parameters (got {p.name}={value!r}; "
+                f"use mode='recompute', or {p.name}={p.default!r})")
+    return settings
 
 
 def _stack_parts(per_layer: list[dict], like: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from attnlab import stats
-from attnlab.hf import contribution_view
+from attnlab.hf import contribution_view, lazy_weights
 from attnlab.hf.interface import DEFAULT_U
 from attnlab.hf.loading import ModelInfo
 from attnlab.hf.windows import Window, Windowing
@@ -29,7 +29,9 @@ class WindowResult:
     """Weights of every variant for one window of the text."""
 
     window: Window  # tokens, word ids, special/punctuation flags, character spans
-    weights: dict[str, torch.Tensor]  # variant -> (L, H, N, N); rows sum to 1
+    # variant -> (L, H, N, N); rows sum to 1. From the fused analysis a LazyWeights (a dict whose
+    # variants are computed on first access, attnlab/hf/lazy_weights.py); a plain dict otherwise
+    weights: dict[str, torch.Tensor]
     u: float | torch.Tensor = DEFAULT_U  # HNAS weight used (for the u/N bound)
     # variant -> {map: (L, H, N, N)}: the parts of a GAM checkpoint's weights (attnlab.hf.native):
     # "phi" (content brains mixed, Eq. 14), "theta" (relative-position branch, Eq. 22), "brain_<b>",
@@ -120,8 +122,9 @@ class WindowResult:
 
 def _fingerprint(weights: dict[str, torch.Tensor]) -> tuple:
     """Which weight tensors (and versions) the row sums were computed with: a weight changed in place
-    or replaced makes ``table`` recompute from the weights (tests/test_hf.py)."""
-    return tuple((name, id(w), w._version, tuple(w.shape), w.dtype) for name, w in weights.items())
+    or replaced makes ``table`` recompute from the weights (tests/test_hf.py). Weights computed on
+    first access (attnlab.hf.lazy_weights) are not computed for it."""
+    return lazy_weights.fingerprint(weights)
 
 
 @dataclass

@@ -18,6 +18,7 @@ with the row sums.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -31,7 +32,9 @@ from attnlab.hf.layers import (  # noqa: F401  (re-exported)
     LINEAR_SPAN_MAX,
     _check_kernel_variants,
     _variants_unmasked,
+    fused_slot,
 )
+from attnlab.hf.lazy_weights import LazyWeights
 from attnlab.hf.loading import LoadedModel, model_on
 from attnlab.hf.pool import _POOL  # noqa: F401  (re-exported)
 from attnlab.normalizers import (
@@ -76,10 +79,23 @@ def check_arguments(variants, mode, params: Mapping[str, Any], info=None) -> tup
     return tuple(dict.fromkeys(variants)), given
 
 
-def _fast(variant: str, params: Mapping[str, Any]) -> bool:
-    """True when attnlab.hf's fused analysis computes ``variant`` with these parameters."""
-    kernel = variant_spec(variant).hf_kernel
-    return variant in KERNEL_VARIANTS and bool(kernel(params) if callable(kernel) else kernel)
+_noted: set[str] = set()  # variants whose generic analysis path was noted (once each)
+
+
+def _fused_plan(variants, params: Mapping[str, Mapping[str, Any]]) -> dict[str, str] | None:
+    """variant -> its slot in attnlab.hf's fused analysis, when every variant has one (derived from
+    the specs, :func:`attnlab.hf.layers.fused_slot`) and no two share one; None otherwise (the generic
+    materialized path for all), with a one-time note for each variant that has no slot."""
+    plan = {v: fused_slot(variant_spec(v), params[v]) for v in variants}
+    for v, slot in plan.items():
+        if slot is None and v not in _noted:
+            _noted.add(v)
+            warnings.warn(f"attnlab.hf: variant {v!r} has no fused analysis path (its spec declares no "
+                          "hf_kernel for these parameters, or the fused analysis does not implement its "
+                          "normalizer); the analysis takes the generic materialized path", stacklevel=5)
+    if None in plan.values() or len(set(plan.values())) != len(plan):
+        return None
+    return plan
 
 
 def _layer_mask(c: CapturedLayer, valid: torch.Tensor) -> torch.Tensor | None:
@@ -127,15 +143,21 @@ def _recompute_with_sums(loaded, input_ids, attention_mask, variants, given, spe
     k = torch.stack([c.key for c in captured]).float()  # (L, B, H, N, D)
     scale = [c.scaling for c in captured]
     params = {v: check_params(v, given, causal=causal) for v in variants}
-    fast = [v for v in variants if _fast(v, params[v])]
-    u = params["hnas"]["u"] if "hnas" in params else 0.5
-    iters = params["sinkhorn"]["iters"] if "sinkhorn" in params else 1
-    u_l = _u_per_layer(u, len(captured), q.shape[2], q.device)
     masks = [_layer_mask(c, valid) for c in captured]
-    if not causal and all(m is None for m in masks) and len(fast) == len(variants):
+    plan = None if causal or any(m is not None for m in masks) else _fused_plan(variants, params)
+    if plan is not None:  # every variant from one score matrix per layer, in its slot
+        by_slot = {slot: v for v, slot in plan.items()}
+        u = params[by_slot["hnas"]]["u"] if "hnas" in by_slot else 0.5
+        iters = params[by_slot["sinkhorn"]]["iters"] if "sinkhorn" in by_slot else 1
+        u_l = _u_per_layer(u, len(captured), q.shape[2], q.device)
+        slots = tuple(plan.values())
         if specials is not None and q.shape[1] == 1 and q.device.type == "cpu":
-            return _variants_with_sums(q, k, scale, variants, u_l, iters, specials)
-        return _variants_unmasked(q, k, scale, variants, u_l, iters), None
+            weights, sums = _lazy_with_sums(q, k, scale, plan, u_l, iters, specials)
+            if by_slot.get("unas", "unas") != "unas":  # the statistics' js reference is unas by name
+                sums = {v: {**raw, "js": None} for v, raw in sums.items()}
+            return weights, sums
+        weights = _variants_unmasked(q, k, scale, slots, u_l, iters)
+        return {v: weights[plan[v]] for v in variants}, None
     B, N = valid.shape
     everything = torch.ones(B, 1, N, N, dtype=torch.bool, device=q.device)  # a layer without a mask
     mask = torch.stack([everything if m is None else m for m in masks])  # (L, B, 1, N, N)
@@ -255,5 +277,31 @@ def _row_sums_of(weights: dict[str, torch.Tensor], specials) -> dict:
 
 
 def _variants_with_sums(q, k, scale, variants, u, iters, specials):
-    """:func:`attnlab.hf.fused_sums.variants_with_sums` with this module's ``_USE_KERNEL``."""
+    """:func:`attnlab.hf.fused_sums.variants_with_sums` with this module's ``_USE_KERNEL``: every
+    variant's weights, written together with the row sums."""
     return fused_sums.variants_with_sums(q, k, scale, variants, u, iters, specials, use_kernel=_USE_KERNEL)
+
+
+def _lazy_with_sums(q, k, scale, plan: Mapping[str, str], u, iters, specials) -> tuple[LazyWeights, dict]:
+    """The row sums of :func:`_variants_with_sums` now, with no weights written, and the weights as a
+    :class:`~attnlab.hf.lazy_weights.LazyWeights`: a variant's are computed on first access by the
+    same call with the same arguments (the same kernel or PyTorch path, the same torch threads), so
+    they have the values the first call would have written; q, k (L, 1, H, N, D) are kept for that.
+    ``plan``: variant -> its slot in the fused analysis; results are keyed by variant."""
+    use_kernel, threads = _USE_KERNEL, torch.get_num_threads()
+    slots = tuple(plan.values())
+    by_slot = {slot: v for v, slot in plan.items()}
+    _, sums = fused_sums.variants_with_sums(q, k, scale, slots, u, iters, specials, use_kernel=use_kernel,
+                                            write=())
+
+    def compute(names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            out = fused_sums.variants_with_sums(q, k, scale, slots, u, iters, specials, use_kernel=use_kernel,
+                                                write=[plan[n] for n in names], sums=False)[0]
+        finally:
+            torch.set_num_threads(previous)
+        return {by_slot[slot]: t for slot, t in out.items()}
+
+    return LazyWeights(plan, compute), {by_slot[slot]: raw for slot, raw in sums.items()}
