@@ -380,12 +380,16 @@ def test_dnas_attend_takes_the_panel_kernel(monkeypatch, mask_kind):
     calls = []
     real = nz.kernel_paths.panel_kernel
     monkeypatch.setattr(nz.kernel_paths, "panel_kernel", lambda *a: calls.append(1) or real(*a))
+    held_calls = []
+    real_held = nz.kernel_paths.held_kernel
+    monkeypatch.setattr(nz.kernel_paths, "held_kernel", lambda *a: held_calls.append(1) or real_held(*a))
     with torch.no_grad():
         fast = attnlab.attend(q, k, v, "dnas", mask=mask)
         one = attnlab.attend(q, k, v, "sinkhorn", mask=mask, iters=1)
         assert len(calls) == 2
-        monkeypatch.setattr(nz.kernel_paths, "panel_kernel", lambda *a: None)
+        monkeypatch.setattr(nz.kernel_paths, "PANEL_BYTES", 0)  # the panels' off switch
         held = attnlab.attend(q, k, v, "dnas", mask=mask)
+        assert len(calls) == 3 and held_calls == [1]  # the panels declined, held_attend ran
         monkeypatch.setattr(kernels, "cpu_ops", lambda: None)
         slow = attnlab.attend(q, k, v, "dnas", mask=mask)
     torch.testing.assert_close(fast, one, atol=0, rtol=0)

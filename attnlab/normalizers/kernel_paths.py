@@ -21,7 +21,8 @@ from attnlab.normalizers.functions import NEG_INF
 HELD_HEAD_BYTES = 128 * 2**20
 # DNAS without gradients on CPU (non-causal) goes by column panels (kernels.panel_dnas): each thread
 # holds one M x C panel of scores of at most this many bytes (C >= 16 keys), so the working set stays in
-# cache whatever N is; with the accumulated output (M x Dv per thread) that is all it holds.
+# cache whatever N is; with the accumulated output (M x Dv per thread) that is all it holds. 0 switches
+# the panels off (then DNAS takes held_attend, as before).
 PANEL_BYTES = 8 * 2**20
 # The older whole-head Sinkhorn kernel (one head per thread) within this many bytes in all; it runs
 # only where held_attend does not apply.
@@ -181,8 +182,8 @@ def held_kernel(q, k, v, mask, scale, u=None, iters: int = 1):
 def panel_kernel(q, k, v, mask, scale):
     """DNAS attention through kernels.panel_dnas (column panels of PANEL_BYTES per thread: one score
     product, one exponential per score, one value product); None where it does not apply (the
-    conditions of :func:`applies`)."""
-    if not applies(q, k, mask, needs_grad(q, k, v)):
+    conditions of :func:`applies`, PANEL_BYTES = 0)."""
+    if PANEL_BYTES <= 0 or not applies(q, k, mask, needs_grad(q, k, v)):
         return None
     ops = cpu_ops()
     if ops is None:
