@@ -234,6 +234,15 @@ def test_empty_queries_or_keys(M, N):
         assert out.shape == (1, 2, M, 3) and torch.all(out == 0)
 
 
+def test_empty_value_dim(capfd):
+    """Dv = 0: the empty output, and no BLAS complaint on stderr (the kernels are skipped)."""
+    q, k, v = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 7, 4), torch.randn(1, 2, 7, 0)
+    with torch.no_grad():
+        for variant in attnlab.VARIANTS:
+            assert attnlab.attend(q, k, v, variant, iters=3).shape == (1, 2, 5, 0)
+    assert "MKL ERROR" not in capfd.readouterr().err
+
+
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("iters", [2, 3, 7])

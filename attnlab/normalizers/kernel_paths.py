@@ -161,7 +161,7 @@ def held_kernel(q, k, v, mask, scale, u=None, iters: int = 1):
     rounds) attention through kernels.held_attend: each head's scores computed once and held (one
     score product, one exponential per score, one value product); None where it does not apply
     (one head over HELD_HEAD_BYTES, u varying within a head, and the conditions of :func:`applies`)."""
-    if not applies(q, k, mask, needs_grad(q, k, v, u)):
+    if v.shape[-1] == 0 or not applies(q, k, mask, needs_grad(q, k, v, u)):
         return None
     B, H, M, _ = q.shape
     N = k.shape[-2]
@@ -183,8 +183,8 @@ def panel_kernel(q, k, v, mask, scale):
     """DNAS attention through kernels.panel_dnas (column panels of PANEL_BYTES per thread: one score
     product, one exponential per score, one value product); None where it does not apply (the
     conditions of :func:`applies`, PANEL_BYTES = 0)."""
-    if PANEL_BYTES <= 0 or not applies(q, k, mask, needs_grad(q, k, v)):
-        return None
+    if PANEL_BYTES <= 0 or v.shape[-1] == 0 or not applies(q, k, mask, needs_grad(q, k, v)):
+        return None  # (Dv = 0: BLAS refuses a leading dimension of 0; PyTorch's path gives the empty out)
     ops = cpu_ops()
     if ops is None:
         return None
