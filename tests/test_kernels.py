@@ -234,6 +234,15 @@ def test_empty_queries_or_keys(M, N):
         assert out.shape == (1, 2, M, 3) and torch.all(out == 0)
 
 
+def test_empty_value_dim(capfd):
+    """Dv = 0: the empty output, and no BLAS complaint on stderr (the kernels are skipped)."""
+    q, k, v = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 7, 4), torch.randn(1, 2, 7, 0)
+    with torch.no_grad():
+        for variant in attnlab.VARIANTS:
+            assert attnlab.attend(q, k, v, variant, iters=3).shape == (1, 2, 5, 0)
+    assert "MKL ERROR" not in capfd.readouterr().err
+
+
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("iters", [2, 3, 7])
@@ -316,3 +325,82 @@ def test_held_attend_underflow_rows_are_recomputed(variant, iters):
                           variant, 1.0, **params)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.double(), ref, atol=2e-5, rtol=2e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("BH", "M", "N", "panel"), [
+    (5, 300, 700, 300 * 64 * 4),  # chunks of 64 keys (11 per head), tiles of 1024 rows: 1 per chunk
+    (3, 37, 53, 2**30),  # one chunk per head, 3 heads: split in parts
+    (2, 1, 9, 0),  # the smallest panel: 16-key chunks
+    (1, 200, 1000, 200 * 16 * 4),  # one head split in parts of 16-key chunks
+    (12, 64, 600, 64 * 100 * 4),  # heads whole to threads, a last chunk of 24 keys
+])
+def test_panel_dnas_equals_float64_reference(dtype, BH, M, N, panel):
+    """panel_dnas (column panels: one score product, one exponential per score, the output accumulated
+    over chunks) against the float64 materialized DNAS, with invalid keys and queries and a (batch,
+    head) with every key masked, over the chunk widths and head splits the panel size gives."""
+    gen = torch.Generator().manual_seed(M * N + 1)
+    q = torch.randn(BH, M, 8, generator=gen, dtype=dtype)
+    k = torch.randn(BH, N, 8, generator=gen, dtype=dtype)
+    v = torch.randn(BH, N, 6, generator=gen, dtype=dtype)
+    key_ok = torch.rand(BH, N, generator=gen) > 0.25
+    key_ok[0, 0] = True
+    key_ok[-1] = False
+    row_ok = torch.rand(BH, M, generator=gen) > 0.2
+    row_ok[0, 0] = True
+    key_bias = torch.zeros(BH, N, dtype=dtype).masked_fill(~key_ok, -math.inf)
+    row_bias = torch.zeros(BH, M, dtype=dtype).masked_fill(~row_ok, -math.inf)
+    tol = dict(atol=3e-5, rtol=3e-5) if dtype == torch.float32 else dict(atol=1e-11, rtol=1e-11)
+    got = ops.panel_dnas(q, k, v, key_bias, row_bias, 0.35, panel)
+    torch.testing.assert_close(got.double(), _held_reference(q, k, v, key_ok, row_ok, "dnas", 0.35), **tol)
+    assert torch.all(got[-1] == 0) and torch.all(got[~row_ok] == 0)
+    everything = torch.ones(BH, N, dtype=torch.bool), torch.ones(BH, M, dtype=torch.bool)
+    got = ops.panel_dnas(q, k, v, None, None, 0.35, panel)
+    torch.testing.assert_close(got.double(), _held_reference(q, k, v, *everything, "dnas", 0.35), **tol)
+    # strided rows (q, k, v views with a contiguous last dimension) read the same values
+    qv, kv, vv = (torch.cat([t, t], -1)[..., : t.shape[-1]] for t in (q, k, v))
+    torch.testing.assert_close(ops.panel_dnas(qv, kv, vv, None, None, 0.35, panel), got, atol=0, rtol=0)
+
+
+@needs_kernels
+def test_panel_dnas_underflow_rows_are_recomputed():
+    """Query 1 scores 0 with every key while query 0 scores 100: its terms exp(s - c_j) ~ exp(-100)
+    underflow in float32 and the kernel redoes that row from its scores."""
+    gen = torch.Generator().manual_seed(5)
+    k = torch.cat([torch.ones(1, 40, 1), torch.randn(1, 40, 1, generator=gen)], -1)  # (1, 40, 2)
+    q = torch.tensor([[[100.0, 0.0], [0.0, 0.0], [30.0, 1.0]]])  # (1, 3, 2)
+    v = torch.randn(1, 40, 3, generator=gen)
+    got = ops.panel_dnas(q, k, v, None, None, 1.0, 0)
+    ref = _held_reference(q, k, v, torch.ones(1, 40, dtype=torch.bool), torch.ones(1, 3, dtype=torch.bool),
+                          "dnas", 1.0)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), ref, atol=2e-5, rtol=2e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("mask_kind", ["none", "keys", "queries"])
+def test_dnas_attend_takes_the_panel_kernel(monkeypatch, mask_kind):
+    """attend's DNAS (and Sinkhorn(1)) without gradients goes through panel_dnas, and gives what the
+    held-scores kernel and the PyTorch path give."""
+    B, H, M, N = 2, 3, 150, 190
+    q, k, v = _qkv(9, B, H, M, N, 16, 8)
+    mask = _masks(B, H, M, N, torch.Generator().manual_seed(4))[mask_kind]
+    calls = []
+    real = nz.kernel_paths.panel_kernel
+    monkeypatch.setattr(nz.kernel_paths, "panel_kernel", lambda *a: calls.append(1) or real(*a))
+    held_calls = []
+    real_held = nz.kernel_paths.held_kernel
+    monkeypatch.setattr(nz.kernel_paths, "held_kernel", lambda *a: held_calls.append(1) or real_held(*a))
+    with torch.no_grad():
+        fast = attnlab.attend(q, k, v, "dnas", mask=mask)
+        one = attnlab.attend(q, k, v, "sinkhorn", mask=mask, iters=1)
+        assert len(calls) == 2
+        monkeypatch.setattr(nz.kernel_paths, "PANEL_BYTES", 0)  # the panels' off switch
+        held = attnlab.attend(q, k, v, "dnas", mask=mask)
+        assert len(calls) == 3 and held_calls == [1]  # the panels declined, held_attend ran
+        monkeypatch.setattr(kernels, "cpu_ops", lambda: None)
+        slow = attnlab.attend(q, k, v, "dnas", mask=mask)
+    torch.testing.assert_close(fast, one, atol=0, rtol=0)
+    torch.testing.assert_close(fast, held, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(fast, slow, atol=2e-5, rtol=2e-5)

@@ -32,6 +32,9 @@ namespace {
 // threads): 2^15 / 2^16 / 2^17 / 2^18 elements gave DNAS 1.62 / 1.48 / 1.30 / 1.25x SDPA -- the BLAS
 // calls' packing of k and v is shared by more rows.
 constexpr int64_t kHeldPanel = 1 << 18;
+// A block's scores and weights go through the score product, the exponentials and the value product
+// in column tiles of R x CT <= 2^16 elements (256 KiB of float, in L2), as panel_cpu.cpp's tiles.
+constexpr int64_t kHeldTile = 1 << 16;
 
 template <typename T>
 struct HeldProblem {
@@ -68,6 +71,7 @@ void held_impl(const HeldProblem<T>& p, int64_t budget_elems) {
   const int64_t M = p.M, N = p.N;
   const int64_t R = std::max<int64_t>(1, std::min<int64_t>(256, kHeldPanel / N));
   const int64_t nb = (M + R - 1) / R;
+  const int64_t CT = std::min<int64_t>(N, std::max<int64_t>(64, kHeldTile / R));  // column tile width
   const int64_t head = M * N;
   const int64_t threads = at::get_num_threads();
   // heads held at once: within the budget, and no more than give every thread a few blocks (the
@@ -103,30 +107,34 @@ void held_impl(const HeldProblem<T>& p, int64_t budget_elems) {
         const int64_t h = task / nb, blk = task % nb, bh = g0 + h, i0 = blk * R;
         const int64_t ni = std::min(R, M - i0);
         T* e = held.get() + h * head + i0 * N;
-        gemm_abt(ni, N, p.D, p.scale, p.q + bh * p.sq_bh + i0 * p.sq_m, p.sq_m, p.k + bh * p.sk_bh, p.sk_n,
-                 T(0), e, N);
         T* m = bmax.data() + (h * nb + blk) * N;
         T* z = bsum.data() + (h * nb + blk) * N;
         std::fill(m, m + N, ninf);
         std::fill(z, z + N, T(0));
         const T* kb = p.kb ? p.kb + bh * N : nullptr;
-        for (int64_t i = 0; i < ni; ++i) {
-          T* row = e + i * N;
-          const bool ok = !(p.rb && p.rb[bh * M + i0 + i] == ninf);
-          row_ok[h * M + i0 + i] = ok;
-          if (kb) for (int64_t j = 0; j < N; ++j) row[j] += kb[j];
-          if (!ok) continue;
-          for (int64_t j = 0; j < N; ++j) m[j] = row[j] > m[j] ? row[j] : m[j];
-        }
-        for (int64_t j = 0; j < N; ++j) safe[j] = m[j] == ninf ? T(0) : m[j];
-        for (int64_t i = 0; i < ni; ++i) {
-          if (!row_ok[h * M + i0 + i]) continue;
-          T* row = e + i * N;
-          const T* sp = safe.data();
-          for (int64_t j = 0; j < N; ++j) {
-            const T x = exp_nonpos(row[j] - sp[j]);
-            row[j] = x;
-            z[j] += x;
+        for (int64_t i = 0; i < ni; ++i) row_ok[h * M + i0 + i] = !(p.rb && p.rb[bh * M + i0 + i] == ninf);
+        for (int64_t j0 = 0; j0 < N; j0 += CT) {  // column tiles of R x CT, each in L2 for its passes
+          const int64_t cw = std::min(CT, N - j0);
+          gemm_abt(ni, cw, p.D, p.scale, p.q + bh * p.sq_bh + i0 * p.sq_m, p.sq_m,
+                   p.k + bh * p.sk_bh + j0 * p.sk_n, p.sk_n, T(0), e + j0, N);
+          T* mt = m + j0;
+          for (int64_t i = 0; i < ni; ++i) {
+            T* row = e + i * N + j0;
+            if (kb) for (int64_t j = 0; j < cw; ++j) row[j] += kb[j0 + j];
+            if (!row_ok[h * M + i0 + i]) continue;
+            for (int64_t j = 0; j < cw; ++j) mt[j] = row[j] > mt[j] ? row[j] : mt[j];
+          }
+          T* sp = safe.data();
+          for (int64_t j = 0; j < cw; ++j) sp[j] = mt[j] == ninf ? T(0) : mt[j];
+          T* zt = z + j0;
+          for (int64_t i = 0; i < ni; ++i) {
+            if (!row_ok[h * M + i0 + i]) continue;
+            T* row = e + i * N + j0;
+            for (int64_t j = 0; j < cw; ++j) {
+              const T x = exp_nonpos(row[j] - sp[j]);
+              row[j] = x;
+              zt[j] += x;
+            }
           }
         }
       }
@@ -190,10 +198,13 @@ void held_impl(const HeldProblem<T>& p, int64_t budget_elems) {
         }
       });
     }
-    // last phase: the rows (DNAS / Sinkhorn, or HNAS's mix), then out = pi v per block
+    // last phase: each row's coefficients (DNAS / Sinkhorn, or HNAS's mix), then by column tiles the
+    // weights w (R x CT, in L2) and out += w v by BLAS
     at::parallel_for(0, gh * nb, 1, [&](int64_t begin, int64_t end) {
       SerialBlas serial;
-      std::vector<T> f(N), hu(N), x(N), y(N), w(R * N);  // w: the block's weights, in L2
+      std::vector<T> f(N), hu(N), x(N), y(N), w(R * CT), a1(R), a2(R);
+      std::vector<T> exact;  // rows recomputed from their scores (rare): R_exact x N
+      std::vector<int64_t> exact_at(R);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t h = task / nb, blk = task % nb, bh = g0 + h, i0 = blk * R;
         const int64_t ni = std::min(R, M - i0);
@@ -210,13 +221,12 @@ void held_impl(const HeldProblem<T>& p, int64_t budget_elems) {
           for (int64_t j = 0; j < N; ++j) hu[j] = exp_nonpos(m[j] - mb);  // m = -inf: 0
         }
         const T* cp = c.data() + h * N;
+        exact.clear();
         for (int64_t i = 0; i < ni; ++i) {
+          exact_at[i] = -1;
+          a1[i] = a2[i] = T(0);
+          if (!row_ok[h * M + i0 + i]) continue;
           const T* row = e + i * N;
-          T* wr = w.data() + i * N;
-          if (!row_ok[h * M + i0 + i]) {
-            std::fill(wr, wr + N, T(0));
-            continue;
-          }
           const T* fp = f.data();
           const T* hp = hu.data();
           T td = 0, tu = 0;
@@ -231,16 +241,14 @@ void held_impl(const HeldProblem<T>& p, int64_t budget_elems) {
           const bool ok_d = uu == T(0) || td > kTiny<T>;
           const bool ok_u = !p.u || uu == T(1) || tu > kTiny<T>;
           if (ok_d && ok_u) {
-            const T a2 = uu == T(0) ? T(0) : uu / td;
-            if (!p.u) {
-              for (int64_t j = 0; j < N; ++j) wr[j] = row[j] * (a2 * fp[j]);
-            } else {
-              const T a1 = uu == T(1) ? T(0) : (T(1) - uu) / tu;
-              for (int64_t j = 0; j < N; ++j) wr[j] = row[j] * (a1 * hp[j] + a2 * fp[j]);
-            }
+            a2[i] = uu == T(0) ? T(0) : uu / td;
+            a1[i] = (!p.u || uu == T(1)) ? T(0) : (T(1) - uu) / tu;
             continue;
           }
           // rare: the row from its scores, exactly: softmax_j(s - c) and, for HNAS, softmax_j(s)
+          exact_at[i] = (int64_t)(exact.size() / N);
+          exact.resize(exact.size() + N);
+          T* wr = exact.data() + exact_at[i] * N;
           row_scores(p, bh, i0 + i, x.data());
           std::copy(x.begin(), x.end(), y.begin());
           exact_row(x.data(), cp, N);
@@ -251,7 +259,28 @@ void held_impl(const HeldProblem<T>& p, int64_t budget_elems) {
           const T inv = exp_row(y.data(), N);
           for (int64_t j = 0; j < N; ++j) wr[j] = uu * x[j] + (inv == T(0) ? T(0) : (T(1) - uu) * y[j] * inv);
         }
-        gemm_ab(ni, p.Dv, N, w.data(), N, p.v + bh * p.sv_bh, p.sv_n, o, p.Dv);
+        for (int64_t j0 = 0; j0 < N; j0 += CT) {
+          const int64_t cw = std::min(CT, N - j0);
+          const T* fp = f.data() + j0;
+          const T* hp = hu.data() + j0;
+          for (int64_t i = 0; i < ni; ++i) {
+            const T* row = e + i * N + j0;
+            T* wr = w.data() + i * cw;
+            if (exact_at[i] >= 0) {
+              std::copy(exact.data() + exact_at[i] * N + j0, exact.data() + exact_at[i] * N + j0 + cw, wr);
+            } else if (a1[i] == T(0) && a2[i] == T(0)) {
+              std::fill(wr, wr + cw, T(0));
+            } else if (a1[i] == T(0)) {
+              const T b = a2[i];
+              for (int64_t j = 0; j < cw; ++j) wr[j] = row[j] * (b * fp[j]);
+            } else {
+              const T a = a1[i], b = a2[i];
+              for (int64_t j = 0; j < cw; ++j) wr[j] = row[j] * (a * hp[j] + b * fp[j]);
+            }
+          }
+          gemm_ab(ni, p.Dv, cw, w.data(), cw, p.v + bh * p.sv_bh + j0 * p.sv_n, p.sv_n, o, p.Dv,
+                  j0 == 0 ? T(0) : T(1));
+        }
       }
     });
   }

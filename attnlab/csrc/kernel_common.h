@@ -46,18 +46,18 @@ inline void gemm_abt(int64_t m, int64_t n, int64_t k, double alpha, const double
   const int M = (int)n, N = (int)m, K = (int)k, LDA = (int)ldb, LDB = (int)lda, LDC = (int)ldc;
   dgemm_("T", "N", &M, &N, &K, &alpha, b, &LDA, a, &LDB, &beta, c, &LDC);
 }
-// Row-major C (m x n) = A (m x k, lda) * B (k x n, ldb): C^T = B^T A^T.
+// Row-major C (m x n) = A (m x k, lda) * B (k x n, ldb) [+ beta C]: C^T = B^T A^T.
 inline void gemm_ab(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
-                    int64_t ldb, float* c, int64_t ldc) {
+                    int64_t ldb, float* c, int64_t ldc, float beta = 0.f) {
   const int M = (int)n, N = (int)m, K = (int)k, LDA = (int)ldb, LDB = (int)lda, LDC = (int)ldc;
-  const float one = 1.f, zero = 0.f;
-  sgemm_("N", "N", &M, &N, &K, &one, b, &LDA, a, &LDB, &zero, c, &LDC);
+  const float one = 1.f;
+  sgemm_("N", "N", &M, &N, &K, &one, b, &LDA, a, &LDB, &beta, c, &LDC);
 }
 inline void gemm_ab(int64_t m, int64_t n, int64_t k, const double* a, int64_t lda, const double* b,
-                    int64_t ldb, double* c, int64_t ldc) {
+                    int64_t ldb, double* c, int64_t ldc, double beta = 0.0) {
   const int M = (int)n, N = (int)m, K = (int)k, LDA = (int)ldb, LDB = (int)lda, LDC = (int)ldc;
-  const double one = 1.0, zero = 0.0;
-  dgemm_("N", "N", &M, &N, &K, &one, b, &LDA, a, &LDB, &zero, c, &LDC);
+  const double one = 1.0;
+  dgemm_("N", "N", &M, &N, &K, &one, b, &LDA, a, &LDB, &beta, c, &LDC);
 }
 
 // exp(x) for x <= 0 (every argument here is shifted by a max), branch-free so the loops vectorize:

@@ -186,9 +186,12 @@ def fused_dnas(q, k, v, mask, scale, ctx):
         return _causal_dnas_blocked(q, k, v, mask, scale)
     if _small_with_grad(q, k, v, ctx):
         return _SmallDoublyNormalized.apply(q, k, v, 1.0, mask, scale, False)
-    out = _held(q, k, v, mask, scale)
+    out = kp.panel_kernel(q, k, v, mask, scale)  # column panels; else whole heads held
+    if out is None:
+        out = kp.held_kernel(q, k, v, mask, scale)
     if out is not None:
-        return out
+        rows = _row_valid(mask)
+        return out if rows is None else out.masked_fill(~rows, 0.0)
     c = query_lse(q, k, mask, scale)  # (B, H, N)
     return _sdpa(q, k, v, mask, scale, key_bias=-c)
 

@@ -19,6 +19,11 @@ from attnlab.normalizers.functions import NEG_INF
 # when one head takes at most this many bytes (S = 4096 float32: 64 MiB); a group of smaller heads
 # shares the buffer. Beyond it they stream (one score product per pass, a few MiB).
 HELD_HEAD_BYTES = 128 * 2**20
+# DNAS without gradients on CPU (non-causal) goes by column panels (kernels.panel_dnas): each thread
+# holds one M x C panel of scores of at most this many bytes (C >= 16 keys), so the working set stays in
+# cache whatever N is; with the accumulated output (M x Dv per thread) that is all it holds. 0 switches
+# the panels off (then DNAS takes held_attend, as before).
+PANEL_BYTES = 8 * 2**20
 # The older whole-head Sinkhorn kernel (one head per thread) within this many bytes in all; it runs
 # only where held_attend does not apply.
 SINKHORN_HEAD_BYTES = 256 * 2**20
@@ -156,7 +161,7 @@ def held_kernel(q, k, v, mask, scale, u=None, iters: int = 1):
     rounds) attention through kernels.held_attend: each head's scores computed once and held (one
     score product, one exponential per score, one value product); None where it does not apply
     (one head over HELD_HEAD_BYTES, u varying within a head, and the conditions of :func:`applies`)."""
-    if not applies(q, k, mask, needs_grad(q, k, v, u)):
+    if v.shape[-1] == 0 or not applies(q, k, mask, needs_grad(q, k, v, u)):
         return None
     B, H, M, _ = q.shape
     N = k.shape[-2]
@@ -171,4 +176,19 @@ def held_kernel(q, k, v, mask, scale, u=None, iters: int = 1):
     key_bias, row_bias = separable_biases(q, k, mask)
     out = ops.held_attend(heads_flat(q), heads_flat(k), heads_flat(v), key_bias, row_bias, weights, iters,
                           scale, HELD_HEAD_BYTES)
+    return out.view(B, H, M, v.shape[-1])
+
+
+def panel_kernel(q, k, v, mask, scale):
+    """DNAS attention through kernels.panel_dnas (column panels of PANEL_BYTES per thread: one score
+    product, one exponential per score, one value product); None where it does not apply (the
+    conditions of :func:`applies`, PANEL_BYTES = 0)."""
+    if PANEL_BYTES <= 0 or v.shape[-1] == 0 or not applies(q, k, mask, needs_grad(q, k, v)):
+        return None  # (Dv = 0: BLAS refuses a leading dimension of 0; PyTorch's path gives the empty out)
+    ops = cpu_ops()
+    if ops is None:
+        return None
+    B, H, M, _ = q.shape
+    key_bias, row_bias = separable_biases(q, k, mask)
+    out = ops.panel_dnas(heads_flat(q), heads_flat(k), heads_flat(v), key_bias, row_bias, scale, PANEL_BYTES)
     return out.view(B, H, M, v.shape[-1])
