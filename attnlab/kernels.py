@@ -77,8 +77,10 @@ def _cpu_fingerprint() -> str:
 
 def _build_dir() -> Path:
     headers = sorted(SOURCES[0].parent.glob("*.h"))
+    # the sources' folder too: ninja's build file names the sources by path, so two checkouts of the
+    # same sources sharing one folder would rebuild each other's kernels on every switch
     key = [*(src.read_bytes() for src in [*SOURCES, *headers]), " ".join(CFLAGS + LDFLAGS).encode(),
-           torch.__version__.encode(), _cpu_fingerprint().encode()]
+           torch.__version__.encode(), _cpu_fingerprint().encode(), str(SOURCES[0].parent.resolve()).encode()]
     digest = hashlib.sha256(b"\0".join(key))
     root = Path(os.environ.get("ATTNLAB_CACHE") or Path.home() / ".cache" / "attnlab")
     return root / "kernels" / f"cpu-{digest.hexdigest()[:16]}"
