@@ -110,6 +110,7 @@ def test_inspect_shows_maps_and_reacts_to_widgets(app_env):
     assert not at.exception
 
 
+@pytest.mark.slow  # 1-4 s: .ci/run runs it, the inner loop does not
 def test_inspect_new_text_and_settings(app_env):
     at = open_page()
     at.text_area(key="inspect_text").set_value("Giraffes rarely attend meetings.").run()
@@ -162,6 +163,7 @@ def test_inspect_empty_text_and_bad_models(app_env, tmp_path):
     assert "pickles are never loaded" in messages(at)
 
 
+@pytest.mark.slow  # 1-4 s: .ci/run runs it, the inner loop does not
 def test_inspect_long_text_is_windowed(app_env):
     at = open_page()
     at.text_area(key="inspect_text").set_value(
@@ -273,6 +275,7 @@ def test_compare_panels_share_one_colour_scale(app_env):
     assert maps["layout"]["coloraxis2"]["cmax"] == pytest.approx(float(z_of(maps, 1).max()), rel=1e-6)
 
 
+@pytest.mark.slow  # 1-4 s: .ci/run runs it, the inner loop does not
 def test_compare_keeps_the_panels_when_the_model_changes(app_env):
     """Seen: changing the model on Compare cleared the chosen panels."""
     at = open_page("compare")
@@ -288,6 +291,7 @@ def test_compare_keeps_the_panels_when_the_model_changes(app_env):
     assert [c.split(" · ")[1] for c in chosen] == ["dnas", "sinkhorn"] and all(native[0] in c for c in chosen)
 
 
+@pytest.mark.slow  # 1-4 s: .ci/run runs it, the inner loop does not
 def test_embeddings_page(app_env):
     at = open_page("embeddings")
     fig = charts(at)["embed_scatter"]
@@ -486,6 +490,7 @@ def sidebar_values(at: AppTest) -> tuple:
     )
 
 
+@pytest.mark.slow  # 1-4 s: .ci/run runs it, the inner loop does not
 def test_sidebar_survives_a_local_directory(app_env, tmp_path):
     """Seen (3/3 in Chromium): after "Local Hugging Face directory…" the sidebar showed no variants,
     u 0.00 and 1 iteration, and MiniLM then said "Pick at least one variant." The page stopped before
@@ -531,6 +536,7 @@ def sys_path_app():
         sys.path.insert(0, app)
 
 
+@pytest.mark.slow  # 1-4 s: .ci/run runs it, the inner loop does not
 def test_uploaded_file_replaces_the_text_box_visibly(app_env):
     """Seen: an upload silently overrode the text box, which still showed the old text; an empty
     file said "Using the uploaded file empty.txt (0 characters)" and then "Type or paste a text"."""
@@ -555,6 +561,7 @@ def test_uploaded_file_replaces_the_text_box_visibly(app_env):
     assert "Type or paste" not in said and not charts(fresh)
 
 
+@pytest.mark.slow  # 1-4 s: .ci/run runs it, the inner loop does not
 def test_state_lives_in_the_url(app_env, monkeypatch, tmp_path):
     """A reload (a new session with the same URL) reopens the same view, pasted text included."""
     monkeypatch.setenv("ATTNLAB_TEXTS_DIR", str(tmp_path / "texts"))

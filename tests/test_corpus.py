@@ -151,6 +151,7 @@ def test_class_statistics_match_a_loop():
 # ---------------------------------------------------------------------------------------------- the job
 
 
+@pytest.mark.slow  # 1-4 s: .ci/run runs it, the inner loop does not
 def test_rows_are_hf_analyze_statistics(small_run, minilm):
     root, result = small_run
     rows = result.table()
@@ -172,6 +173,7 @@ def test_rows_are_hf_analyze_statistics(small_run, minilm):
         )
 
 
+@pytest.mark.slow  # 1-4 s: .ci/run runs it, the inner loop does not
 def test_every_document_once_and_summary_from_rows(small_run):
     _, result = small_run
     rows = result.table()
@@ -214,6 +216,7 @@ def _summary_from_all_rows(rows, resamples, seed):
     return pd.concat(frames, ignore_index=True)
 
 
+@pytest.mark.slow  # 1-4 s: .ci/run runs it, the inner loop does not
 def test_streamed_summary_equals_the_all_rows_summary(small_run):
     _, result = small_run
     got = summarize(result.rows, 300, 3)

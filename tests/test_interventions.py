@@ -171,6 +171,7 @@ def test_intervention_bad_inputs(tiny_model_dir, lm_dirs):
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # 1-4 s: .ci/run runs it, the inner loop does not
 def test_faithfulness_table_and_literal_leave_one_out(sharp_dir):
     from scipy.stats import kendalltau
 

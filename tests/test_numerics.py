@@ -109,6 +109,7 @@ def test_column_logsumexp_checks_its_arguments():
         assert w.shape == (2, M, N)
 
 
+@pytest.mark.slow  # 1-4 s: .ci/run runs it, the inner loop does not
 @pytest.mark.parametrize("path", PATHS)
 def test_float32_sinkhorn_does_not_drift_with_many_rounds(monkeypatch, path):
     """M != N: the potentials used to move by ln(M/N) per round (1e-4 off float64 at 3,000 rounds)."""
@@ -124,6 +125,7 @@ def test_float32_sinkhorn_does_not_drift_with_many_rounds(monkeypatch, path):
     torch.testing.assert_close(w.sum(-2), torch.full((1, 2, 6), 4.0), atol=1e-5, rtol=0)  # columns -> M/N
 
 
+@pytest.mark.slow  # 1-4 s: .ci/run runs it, the inner loop does not
 @pytest.mark.parametrize("path", PATHS)
 def test_sinkhorn_tolerance_stops_early_with_marginals_within_tol(monkeypatch, path):
     if path == "no-kernel":
@@ -140,9 +142,12 @@ def test_sinkhorn_tolerance_stops_early_with_marginals_within_tol(monkeypatch, p
     torch.testing.assert_close(out, w @ v, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.slow  # signals and a 0.5 s timer: .ci/run runs it
 def test_long_sinkhorn_stops_on_ctrl_c():
     """Rounds beyond the whole-head kernel's SINKHORN_KERNEL_ROUNDS run one by one: SIGINT stops them."""
     q, k, v = _qkv(7, B=1, H=4, M=256, N=256, D=16)
+    # Ctrl-C as in a terminal, whatever the test runner set for SIGINT in this process
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(0.5, lambda: signal.raise_signal(signal.SIGINT))
     timer.start()
     try:
@@ -150,6 +155,7 @@ def test_long_sinkhorn_stops_on_ctrl_c():
             attnlab.attend(q, k, v, "sinkhorn", iters=10_000)
     finally:
         timer.cancel()
+        signal.signal(signal.SIGINT, previous)
 
 
 @pytest.mark.parametrize("variant", ["dnas", "hnas", "sinkhorn"])
