@@ -32,6 +32,7 @@ def _leftovers(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir() if p.name.startswith("."))
 
 
+@pytest.mark.slow  # ~1 s: .ci/run runs it, the inner loop does not
 def test_writes_readable_statistics_weights_tokens_and_manifest(tmp_path, capsys, minilm):
     src = tmp_path / "text.txt"
     src.write_text(TEXT, encoding="utf-8")

@@ -131,6 +131,7 @@ def test_inspect_new_text_and_settings(app_env):
         (("huge.txt", b"word " * 1_200_000, "text/plain"), "the limit is 5 MB"),
     ],
 )
+@pytest.mark.slow  # ~1 s: .ci/run runs it, the inner loop does not
 def test_inspect_bad_uploads_give_a_message(app_env, upload, expected):
     at = open_page()
     at.file_uploader(key="inspect_upload").set_value(upload).run()
@@ -139,6 +140,7 @@ def test_inspect_bad_uploads_give_a_message(app_env, upload, expected):
     assert not charts(at)
 
 
+@pytest.mark.slow  # ~1 s: .ci/run runs it, the inner loop does not
 def test_inspect_empty_text_and_bad_models(app_env, tmp_path):
     at = open_page()
     at.text_area(key="inspect_text").set_value("   \n").run()
@@ -182,6 +184,7 @@ def test_inspect_long_text_is_windowed(app_env):
     assert at.slider(key="away_window").value == 2 and not at.exception
 
 
+@pytest.mark.slow  # ~1 s: .ci/run runs it, the inner loop does not
 def test_inspect_shipped_checkpoint(app_env):
     at = open_page()
     native = [o for o in at.selectbox(key="inspect_model").options if "(shipped)" in o]
@@ -193,6 +196,7 @@ def test_inspect_shipped_checkpoint(app_env):
     assert "inspect_heatmap" in charts(at) and f"**{name} (" in " ".join(c.value for c in at.caption)
 
 
+@pytest.mark.slow  # ~1 s: .ci/run runs it, the inner loop does not
 def test_inspect_gam_checkpoint_shows_phi_theta_and_combined(app_env):
     """The shipped GAM checkpoint goes through the library (hf.analyze) like any model; its content
     (Phi) and relative-position (Theta) maps are drawn beside the combined weights."""
@@ -346,6 +350,7 @@ def test_embedding_queries_and_keys_reproduce_the_analysed_weights(app_env, mode
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # ~1 s: .ci/run runs it, the inner loop does not
 def test_hybrid_weights_page(app_env):
     at = open_page("hybrid_weights")
     options = at.selectbox(key="hybrid_source").options
@@ -510,6 +515,7 @@ def test_sidebar_survives_a_local_directory(app_env, tmp_path):
     assert "inspect_heatmap" in charts(at)
 
 
+@pytest.mark.slow  # ~1 s: .ci/run runs it, the inner loop does not
 def test_sidebar_widgets_come_from_the_variant_specs(app_env):
     sys_path_app()
     from appkit.variants import param_specs
@@ -593,6 +599,7 @@ def test_state_lives_in_the_url(app_env, monkeypatch, tmp_path):
     assert other.slider(key="inspect_layer").value == 2
 
 
+@pytest.mark.slow  # ~1 s: .ci/run runs it, the inner loop does not
 def test_focus_from_the_url_reaches_every_view(app_env):
     """Click to focus (tested with clicks in tests/test_browser.py): the focused token is outlined
     in the map, drawn in the focus colour in the head and model views, and the strip shows its row."""

@@ -70,6 +70,7 @@ def test_tables_jsonl_csv_parquet(tmp_path):
         assert ["".join(d.parts()) for d in docs] == CORPUS[:3]
 
 
+@pytest.mark.slow  # ~1 s: .ci/run runs it, the inner loop does not
 def test_kjv_by_chapter_is_the_trainers_corpus():
     from attnlab.data import default_corpus
 

@@ -185,6 +185,7 @@ def test_map_statistics_match_references(reliability):
     )
 
 
+@pytest.mark.slow  # ~1 s: .ci/run runs it, the inner loop does not
 def test_map_statistics_on_views_and_half_precision(reliability):
     @fuzz_settings(60)
     @given(weight_cases())
@@ -199,6 +200,7 @@ def test_map_statistics_on_views_and_half_precision(reliability):
     )
 
 
+@pytest.mark.slow  # ~1 s: .ci/run runs it, the inner loop does not
 def test_statistics_propagate_nan(reliability):
     @fuzz_settings(50)
     @given(weight_cases(dtypes=(torch.float32, torch.float64), min_len=1), st.data())

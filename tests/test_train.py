@@ -62,6 +62,7 @@ def _same_metrics(a, b):
            [{k: v for k, v in r.items() if k not in drop} for r in b]
 
 
+@pytest.mark.slow  # ~1 s: .ci/run runs it, the inner loop does not
 def test_training_writes_metrics_checkpoints_and_loads(tmp_path, text):
     result = train(tiny_config(), tmp_path / "run", text=text, progress=False)
     run = tmp_path / "run"
