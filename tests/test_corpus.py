@@ -322,3 +322,17 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert main(["corpus", "kjv", "--out", str(tmp_path / "r"), "--engine", "ray",
                  "--ray-address", "127.0.0.1:9"]) == 2
     assert "unreachable" in capsys.readouterr().err
+
+
+def test_class_statistics_from_the_fused_column_masses_without_weights(minilm):
+    """The corpus's key-class breakdown reads the analysis pass's column masses: no weights are
+    computed for it, and they equal the weights' column sums (float32 rounding)."""
+    from attnlab import hf
+    from attnlab.hf.lazy_weights import _PENDING
+
+    result = hf.analyze("The cat sat on the mat because it was warm, and the dog watched.", minilm)
+    window = result._single("weights")
+    masses = window.column_masses()
+    assert all(dict.get(window.weights, v) is _PENDING for v in masses)  # nothing computed
+    for v, m in masses.items():
+        torch.testing.assert_close(m, window.weights[v].sum(-2), atol=1e-4, rtol=1e-5)

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from attnlab.corpus.sources import split_parts
-from attnlab.corpus.token_classes import class_statistics, key_classes
+from attnlab.corpus.token_classes import class_statistics_from_masses, key_classes
 
 __all__ = ["SCHEMA", "analyse_documents", "write_shard", "shard_path"]
 
@@ -51,7 +51,7 @@ def _window_columns(result, bins, n_bins) -> dict[str, np.ndarray]:
     frame = result.table()  # variant, layer, head, statistic, value (+ window)
     w = result.window
     names, classes = key_classes(w.tokens, w.input_ids, w.special, w.punctuation, bins, n_bins)
-    extra = class_statistics(result.weights, names, classes)
+    extra = class_statistics_from_masses(result.column_masses(), len(w.tokens), names, classes)
     variants = list(result.weights)
     stat_names, first = extra[variants[0]]
     L, H, S = first.shape

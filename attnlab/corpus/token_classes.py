@@ -24,7 +24,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["frequency_bins", "key_classes", "class_statistics", "QUANTILES", "N_DECILES"]
+__all__ = ["frequency_bins", "key_classes", "class_statistics", "class_statistics_from_masses", "QUANTILES",
+           "N_DECILES"]
 
 N_DECILES = 10
 QUANTILES = (0.1, 0.5, 0.9)  # of relative column mass over keys
@@ -86,11 +87,19 @@ def class_statistics(weights: dict[str, torch.Tensor], names: list[str], classes
     over the weights, no float64 copy of them), then every variant's classes and quantiles are
     computed at once in float64 from the stacked (V, L, H, N) masses.
     """
+    M = next(iter(weights.values())).shape[-2]
+    return class_statistics_from_masses({v: w.sum(-2) for v, w in weights.items()}, M, names, classes)
+
+
+def class_statistics_from_masses(masses: dict[str, torch.Tensor], n_rows: int, names: list[str],
+                                 classes: torch.Tensor):
+    """:func:`class_statistics` from column masses {variant: (L, H, N)} of ``n_rows`` query rows
+    (e.g. ``WindowResult.column_masses()``, which needs no weights)."""
     stat_names = [f"received:{n}" for n in names] + [f"relative_column_mass_q{round(x * 100):02d}"
                                                      for x in QUANTILES]
-    variants = list(weights)
-    L, H, M, N = next(iter(weights.values())).shape
-    cols = torch.stack([weights[v].sum(-2) for v in variants]).to(torch.float64)  # (V, L, H, N) m_j
+    variants = list(masses)
+    M, N = n_rows, next(iter(masses.values())).shape[-1]
+    cols = torch.stack([masses[v] for v in variants]).to(torch.float64)  # (V, L, H, N) m_j
     received = cols @ classes.to(torch.float64) / M  # (V, L, H, C)
     q = torch.tensor(QUANTILES, dtype=torch.float64)
     quant = torch.quantile(cols * (N / M), q, dim=-1).permute(1, 2, 3, 0)  # (V, L, H, Q)

@@ -106,6 +106,15 @@ class WindowResult:
         return contribution_view.with_contributions(
             self, kwargs, stats.tidy_table(self.weights, special=special, window=self.index, **kwargs))
 
+    def column_masses(self) -> dict[str, torch.Tensor]:
+        """{variant: (L, H, N) column masses m_j = sum_i pi_ij}: from the analysis pass's row sums
+        while they describe the current weights (no weights are computed), else from the weights."""
+        if self._sums is not None:
+            sums, _, fingerprint = self._sums
+            if list(sums) == list(self.weights) and fingerprint == _fingerprint(self.weights):
+                return {v: s.cols.reshape(s.shape[0], s.shape[1], -1) for v, s in sums.items()}
+        return {v: w.sum(-2) for v, w in self.weights.items()}
+
     def _cached_sums(self, special: torch.Tensor, reference):
         """(row sums, index of ``special`` among their key masks) when they describe the current
         weights and the requested statistics; None otherwise (tidy_table recomputes)."""
