@@ -275,15 +275,11 @@ def _held_reference(q, k, v, key_ok, row_ok, variant, scale, **params):
     return (w @ v.double()[None])[0]
 
 
-@needs_kernels
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize(("variant", "iters"), [("dnas", 1), ("hnas", 1), ("sinkhorn", 2), ("sinkhorn", 5)])
-@pytest.mark.parametrize(("BH", "M", "N", "budget"), [(5, 300, 700, 0), (3, 37, 53, 2**30), (2, 1, 9, 2**30)])
-def test_held_attend_equals_float64_reference(dtype, variant, iters, BH, M, N, budget):
-    """held_attend (each head's scores held: one score product, one exponential per score) against the
-    float64 materialized variant, with invalid keys and queries, a (batch, head) with every key masked,
-    several row blocks per head (N = 700: 93 rows) and groups of one head (budget 0) or all heads."""
-    gen = torch.Generator().manual_seed(M * N + iters)
+def _masked_problem(seed, dtype, BH, M, N):
+    """(q, k, v, key_ok, row_ok, key_bias, row_bias) of BH heads, D = 8, Dv = 6: about a quarter of
+    the keys and a fifth of the queries invalid, the last head with every key masked; biases are
+    0 / -inf."""
+    gen = torch.Generator().manual_seed(seed)
     q = torch.randn(BH, M, 8, generator=gen, dtype=dtype)
     k = torch.randn(BH, N, 8, generator=gen, dtype=dtype)
     v = torch.randn(BH, N, 6, generator=gen, dtype=dtype)
@@ -294,6 +290,18 @@ def test_held_attend_equals_float64_reference(dtype, variant, iters, BH, M, N, b
     row_ok[0, 0] = True
     key_bias = torch.zeros(BH, N, dtype=dtype).masked_fill(~key_ok, -math.inf)
     row_bias = torch.zeros(BH, M, dtype=dtype).masked_fill(~row_ok, -math.inf)
+    return q, k, v, key_ok, row_ok, key_bias, row_bias
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("variant", "iters"), [("dnas", 1), ("hnas", 1), ("sinkhorn", 2), ("sinkhorn", 5)])
+@pytest.mark.parametrize(("BH", "M", "N", "budget"), [(5, 300, 700, 0), (3, 37, 53, 2**30), (2, 1, 9, 2**30)])
+def test_held_attend_equals_float64_reference(dtype, variant, iters, BH, M, N, budget):
+    """held_attend (each head's scores held: one score product, one exponential per score) against the
+    float64 materialized variant, with invalid keys and queries, a (batch, head) with every key masked,
+    several row blocks per head (N = 700: 93 rows) and groups of one head (budget 0) or all heads."""
+    q, k, v, key_ok, row_ok, key_bias, row_bias = _masked_problem(M * N + iters, dtype, BH, M, N)
     u = torch.linspace(0, 1, BH, dtype=dtype) if variant == "hnas" else None
     params = {"u": u.view(1, BH, 1, 1).double()} if u is not None else {}
     if variant == "sinkhorn":
@@ -340,17 +348,7 @@ def test_panel_dnas_equals_float64_reference(dtype, BH, M, N, panel):
     """panel_dnas (column panels: one score product, one exponential per score, the output accumulated
     over chunks) against the float64 materialized DNAS, with invalid keys and queries and a (batch,
     head) with every key masked, over the chunk widths and head splits the panel size gives."""
-    gen = torch.Generator().manual_seed(M * N + 1)
-    q = torch.randn(BH, M, 8, generator=gen, dtype=dtype)
-    k = torch.randn(BH, N, 8, generator=gen, dtype=dtype)
-    v = torch.randn(BH, N, 6, generator=gen, dtype=dtype)
-    key_ok = torch.rand(BH, N, generator=gen) > 0.25
-    key_ok[0, 0] = True
-    key_ok[-1] = False
-    row_ok = torch.rand(BH, M, generator=gen) > 0.2
-    row_ok[0, 0] = True
-    key_bias = torch.zeros(BH, N, dtype=dtype).masked_fill(~key_ok, -math.inf)
-    row_bias = torch.zeros(BH, M, dtype=dtype).masked_fill(~row_ok, -math.inf)
+    q, k, v, key_ok, row_ok, key_bias, row_bias = _masked_problem(M * N + 1, dtype, BH, M, N)
     tol = dict(atol=3e-5, rtol=3e-5) if dtype == torch.float32 else dict(atol=1e-11, rtol=1e-11)
     got = ops.panel_dnas(q, k, v, key_bias, row_bias, 0.35, panel)
     torch.testing.assert_close(got.double(), _held_reference(q, k, v, key_ok, row_ok, "dnas", 0.35), **tol)
