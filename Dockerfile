@@ -30,6 +30,6 @@ ENV HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 EXPOSE 8501
 HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
     CMD ["sh", "-c", "curl --fail --silent http://127.0.0.1:8501/_stcore/health || exit 1"]
-CMD ["python", "-m", "streamlit", "run", "app/streamlit_app.py", \
+CMD ["python", "app/serve.py", \
      "--server.address", "0.0.0.0", "--server.port", "8501", \
      "--server.headless", "true", "--browser.gatherUsageStats", "false"]

@@ -6,6 +6,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 source scripts/env.sh
-exec "$PY" -m streamlit run app/streamlit_app.py \
+exec "$PY" app/serve.py \
   --server.address "${ATTNLAB_ADDRESS:-127.0.0.1}" --server.port "${ATTNLAB_PORT:-8501}" \
   --server.headless true --browser.gatherUsageStats false

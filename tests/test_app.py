@@ -48,6 +48,18 @@ def charts(at: AppTest) -> dict[str, dict]:
     return {re.sub(r"_click\d+$", "", c.key): json.loads(c.proto.spec) for c in at.get("plotly_chart")}
 
 
+def views(at: AppTest) -> dict[str, dict]:
+    """key -> data of every browser-drawn token view (appkit.token_views), arrays decoded:
+    "inspect_heatmap" -> {"title", "tokens", "map": (N, N), "focus", ...}."""
+    from appkit.token_views import decoded
+
+    return {
+        c.key.removesuffix("_view"): decoded(json.loads(c.proto.json))
+        for c in at.get("bidi_component")
+        if c.proto.component_name == "attnlab.token_views"
+    }
+
+
 def z_of(fig: dict, trace: int = 0) -> np.ndarray:
     """The z matrix of a heatmap trace (plotly sends numpy arrays as base64 typed arrays)."""
     z = fig["data"][trace]["z"]
@@ -82,31 +94,35 @@ def test_inspect_shows_maps_and_reacts_to_widgets(app_env):
         "inspect_head",
     ):
         assert key in at.session_state, key
-    figs = charts(at)
-    assert set(figs) == {
+    shown = views(at)
+    assert set(shown) == {
+        "inspect_focus_bar",
         "inspect_heatmap",
         "inspect_head_view",
         "inspect_token_mass",
         "inspect_model_view",
         "inspect_grid",
     }
-    heat = figs["inspect_heatmap"]
-    assert heat["layout"]["title"]["text"] == "unas: layer 2, head 0"
-    n = len(heat["data"][0]["x"])
-    assert z_of(heat).shape == (n, n)
-    np.testing.assert_allclose(z_of(heat).sum(1), 1.0, atol=1e-4)  # rows sum to 1
+    assert not charts(at)  # no plotly chart on Inspect by default: the browser draws every view
+    heat = shown["inspect_heatmap"]
+    assert heat["title"] == "unas: layer 2, head 0"
+    n = len(heat["tokens"])
+    assert heat["map"].shape == (n, n)
+    np.testing.assert_allclose(heat["map"].sum(1), 1.0, atol=1e-4)  # rows sum to 1
     keys = {b.key for b in at.download_button}
-    assert {f"inspect_heatmap_{f}" for f in ("png", "svg", "pdf", "html", "csv", "npz", "manifest")} <= keys
+    formats = ("png", "svg", "pdf", "html", "csv", "npz", "manifest")
+    for kind in ("heatmap", "head_view", "token_mass", "model_view", "grid"):
+        assert {f"inspect_{kind}_{f}" for f in formats} <= keys
 
     at.slider(key="inspect_head").set_value(3).run()
-    after = charts(at)["inspect_heatmap"]
-    assert after["layout"]["title"]["text"] == "unas: layer 2, head 3"
-    assert not np.allclose(z_of(after), z_of(heat))
+    after = views(at)["inspect_heatmap"]
+    assert after["title"] == "unas: layer 2, head 3"
+    assert not np.allclose(after["map"], heat["map"])
 
     at.button_group(key="inspect_variant").set_value("dnas").run()
-    dnas = charts(at)["inspect_heatmap"]
-    assert dnas["layout"]["title"]["text"].startswith("dnas")
-    assert z_of(dnas).sum(0).min() >= 1.0 / n - 1e-4  # the DNAS column floor 1/N
+    dnas = views(at)["inspect_heatmap"]
+    assert dnas["title"].startswith("dnas")
+    assert dnas["map"].sum(0).min() >= 1.0 / n - 1e-4  # the DNAS column floor 1/N
     assert not at.exception
 
 
@@ -114,12 +130,12 @@ def test_inspect_shows_maps_and_reacts_to_widgets(app_env):
 def test_inspect_new_text_and_settings(app_env):
     at = open_page()
     at.text_area(key="inspect_text").set_value("Giraffes rarely attend meetings.").run()
-    heat = charts(at)["inspect_heatmap"]
-    assert any("rarely" in x for x in heat["data"][0]["x"])
+    heat = views(at)["inspect_heatmap"]
+    assert any("rarely" in x for x in heat["tokens"])
     at.multiselect(key="inspect_variants").set_value(["unas", "sinkhorn"]).run()
     assert at.button_group(key="inspect_variant").options == ["unas", "sinkhorn"]
     at.radio(key="inspect_mode").set_value("swap").run()
-    assert not at.exception and "inspect_heatmap" in charts(at)
+    assert not at.exception and "inspect_heatmap" in views(at)
 
 
 @pytest.mark.parametrize(
@@ -177,7 +193,7 @@ def test_inspect_long_text_is_windowed(app_env):
     assert any("Window 1 of 2: text tokens 1–510 of " in c.value for c in at.caption)
     assert any("model view draws up to 64 tokens" in i.value for i in at.info)
     at.slider(key="inspect_window").set_value(2).run()
-    assert not at.exception and "inspect_heatmap" in charts(at)
+    assert not at.exception and "inspect_heatmap" in views(at)
     caption = next(c.value for c in at.caption if c.value.startswith("Window 2 of 2"))
     assert "overlapping the neighbouring windows by" in caption
     at.switch_page("app_pages/explaining_away.py").run()  # the window follows the user
@@ -193,7 +209,7 @@ def test_inspect_shipped_checkpoint(app_env):
     at.selectbox(key="inspect_model").set_value(native[0]).run()
     assert not at.exception, [e.message for e in at.exception]
     name = native[0].split(" ")[0]  # e.g. "enc-dnas": the caption names the loaded checkpoint
-    assert "inspect_heatmap" in charts(at) and f"**{name} (" in " ".join(c.value for c in at.caption)
+    assert "inspect_heatmap" in views(at) and f"**{name} (" in " ".join(c.value for c in at.caption)
 
 
 @pytest.mark.slow  # ~1 s: .ci/run runs it, the inner loop does not
@@ -218,7 +234,8 @@ def test_inspect_gam_checkpoint_shows_phi_theta_and_combined(app_env):
                           iters=iters)
     np.testing.assert_allclose(z_of(figs["inspect_gam_theta"]),
                                expected.components[variant]["theta"][layer, head].numpy(), atol=1e-6)
-    np.testing.assert_allclose(z_of(figs["inspect_gam_combined"]), z_of(figs["inspect_heatmap"]), atol=1e-6)
+    combined = z_of(figs["inspect_gam_combined"])
+    np.testing.assert_allclose(combined, views(at)["inspect_heatmap"]["map"], atol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -479,7 +496,7 @@ def test_inspect_uploaded_checkpoint(app_env):
     at.selectbox(key="inspect_model").set_value("Upload a checkpoint…").run()
     at.file_uploader(key="inspect_ckpt").set_value(files).run()
     assert not at.exception and not at.error, messages(at)
-    assert "inspect_heatmap" in charts(at)
+    assert "inspect_heatmap" in views(at)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -512,7 +529,7 @@ def test_sidebar_survives_a_local_directory(app_env, tmp_path):
     at.selectbox(key="inspect_model").set_value("MiniLM-L6 (embedded)").run()
     assert sidebar_values(at) == want and "Pick at least one" not in messages(at)
     assert at.button_group(key="inspect_variant").options == ["unas", "hnas", "sinkhorn"]
-    assert "inspect_heatmap" in charts(at)
+    assert "inspect_heatmap" in views(at)
 
 
 @pytest.mark.slow  # ~1 s: .ci/run runs it, the inner loop does not
@@ -552,13 +569,13 @@ def test_uploaded_file_replaces_the_text_box_visibly(app_env):
     box = at.text_area(key="inspect_text")
     assert box.disabled and "not used while a file is uploaded" in box.label
     assert any("Using the uploaded file **notes.txt**" in c.value for c in at.caption)
-    assert any("quietly" in x for x in charts(at)["inspect_heatmap"]["data"][0]["x"])
+    assert any("quietly" in x for x in views(at)["inspect_heatmap"]["tokens"])
     at.switch_page("app_pages/explaining_away.py").run()  # the upload follows the user
     assert at.text_area(key="away_text").disabled and not at.exception
     at.button(key="away_drop_upload").click().run()  # back to the text box
     assert not at.text_area(key="away_text").disabled
     at.switch_page("app_pages/inspect.py").run()
-    assert any("cat" in x for x in charts(at)["inspect_heatmap"]["data"][0]["x"])
+    assert any("cat" in x for x in views(at)["inspect_heatmap"]["tokens"])
 
     fresh = open_page()
     fresh.file_uploader(key="inspect_upload").set_value(("empty.txt", b"  \n", "text/plain")).run()
@@ -589,7 +606,7 @@ def test_state_lives_in_the_url(app_env, monkeypatch, tmp_path):
     assert not again.exception, [e.message for e in again.exception]
     assert again.text_area(key="inspect_text").value == "Narwhals explain the krill away."
     assert again.slider(key="inspect_hnas_u").value == 0.25
-    assert charts(again)["inspect_heatmap"]["layout"]["title"]["text"] == "dnas: layer 4, head 7"
+    assert views(again)["inspect_heatmap"]["title"] == "dnas: layer 4, head 7"
     # a link to a text this server does not have: a message and the sample, not a crash
     other = AppTest.from_file(APP, default_timeout=TIMEOUT)
     other.query_params["text"] = "0123456789abcdef"
@@ -601,21 +618,23 @@ def test_state_lives_in_the_url(app_env, monkeypatch, tmp_path):
 
 @pytest.mark.slow  # ~1 s: .ci/run runs it, the inner loop does not
 def test_focus_from_the_url_reaches_every_view(app_env):
-    """Click to focus (tested with clicks in tests/test_browser.py): the focused token is outlined
-    in the map, drawn in the focus colour in the head and model views, and the strip shows its row."""
+    """Click to focus (tested with clicks in tests/test_browser.py): a link's focus reaches every
+    view (the browser outlines it in the map, colours its lines in the head and model views and
+    shades the strip by its row: tests/test_browser.py)."""
     at = AppTest.from_file(APP, default_timeout=TIMEOUT)
     at.query_params["focus"] = "3"
     at.run()
     assert not at.exception
-    figs = charts(at)
-    rects = [(s["y0"], s["y1"]) for s in figs["inspect_heatmap"]["layout"]["shapes"]]
-    assert (2.5, 3.5) in rects  # row 3 outlined
-    assert any(t.get("line", {}).get("color") == "#ff7f0e" for t in figs["inspect_head_view"]["data"])
-    assert "focus: 3: sat" in figs["inspect_model_view"]["layout"]["title"]["text"]
-    assert "3: sat sends" in figs["inspect_token_mass"]["layout"]["title"]["text"]
-    assert any("Focus: token 3" in m.value for m in at.markdown)
-    at.button(key="inspect_clear_focus").click().run()
-    assert not charts(at)["inspect_heatmap"]["layout"].get("shapes")
+    shown = views(at)
+    assert {k: v["focus"] for k, v in shown.items() if k != "inspect_grid"} == {
+        "inspect_focus_bar": 3,
+        "inspect_heatmap": 3,
+        "inspect_head_view": 3,
+        "inspect_token_mass": 3,
+        "inspect_model_view": 3,
+    }
+    assert shown["inspect_focus_bar"]["tokens"][3] == "sat"
+    assert at.query_params["focus"] == "3"
 
 
 def test_export_snippet_names_the_downloaded_manifest(app_env):

@@ -8,7 +8,7 @@ import concurrent.futures
 import numpy as np
 import pytest
 from streamlit.testing.v1 import AppTest
-from test_app import APP, TIMEOUT, app_env, charts, z_of  # noqa: F401 (app_env is a fixture)
+from test_app import APP, TIMEOUT, app_env, views  # noqa: F401 (app_env is a fixture)
 
 from attnlab import hf
 
@@ -19,8 +19,27 @@ def _text(i: int) -> str:
     return f"Session {i} writes about the {WORDS[i]}, and nothing else: the {WORDS[i]} is the topic here."
 
 
+@pytest.fixture
+def one_runtime(monkeypatch):
+    """One Streamlit runtime for every AppTest of the test, as one server has. AppTest sets the
+    runtime singleton (a mock) when a run starts and clears it when the run ends, so eight runs at
+    once cleared it under each other ("Runtime hasn't been created!" where a page mounts a custom
+    component, which looks its registry up there). Here the first run's runtime stays until the end."""
+    from streamlit.runtime import Runtime
+    from streamlit.testing.v1 import app_test
+
+    class _KeepFirst(type):
+        def __setattr__(cls, name, value):
+            if name == "_instance" and value is not None and Runtime._instance is None:
+                Runtime._instance = value
+
+    monkeypatch.setattr(app_test, "Runtime", _KeepFirst("OneRuntime", (), {}))
+    yield
+    Runtime._instance = None
+
+
 @pytest.mark.slow
-@pytest.mark.usefixtures("app_env")
+@pytest.mark.usefixtures("app_env", "one_runtime")
 def test_eight_sessions_get_their_own_results(reliability):
     sessions = [AppTest.from_file(APP, default_timeout=TIMEOUT).run() for _ in range(8)]
     for at in sessions:
@@ -30,7 +49,7 @@ def test_eight_sessions_get_their_own_results(reliability):
         at = sessions[i]
         at.text_area(key="inspect_text").set_value(_text(i)).run()
         assert not at.exception, [e.message for e in at.exception]
-        return charts(at)["inspect_heatmap"]
+        return views(at)["inspect_heatmap"]
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:  # all 8 script runs at once
         figures = list(pool.map(analyse, range(8)))
@@ -42,12 +61,12 @@ def test_eight_sessions_get_their_own_results(reliability):
     embedded = [k for k in loading._CACHE if k == str(hf.default_model_path().resolve())]
     assert len(embedded) == 1  # one copy of the model for all 8 sessions
     for i, fig in enumerate(figures):
-        keys = [str(x) for x in fig["data"][0]["x"]]
+        keys = fig["tokens"]
         assert any(WORDS[i] in k for k in keys), (i, keys)
         assert not any(w in k for w in WORDS if w != WORDS[i] for k in keys), (i, keys)
         # the numbers are this text's own: layer 2, head 0 of unas (the page's defaults)
         expect = hf.analyze(_text(i), model, variants=("unas",)).weights["unas"][2, 0].numpy()
-        np.testing.assert_allclose(z_of(fig), expect, atol=1e-5)
+        np.testing.assert_allclose(fig["map"], expect, atol=1e-5)
     reliability(
         "8 concurrent app sessions",
         "8 AppTest sessions of the Inspect page, each with its own text, run at the same time",
@@ -82,7 +101,7 @@ def test_training_does_not_block_analysis_in_another_session(reliability):
         at = AppTest.from_file(APP, default_timeout=TIMEOUT).run()
         at.text_area(key="inspect_text").set_value(_text(3)).run()
         assert not at.exception, [e.message for e in at.exception]
-        keys = [str(x) for x in charts(at)["inspect_heatmap"]["data"][0]["x"]]
+        keys = views(at)["inspect_heatmap"]["tokens"]
         assert any(WORDS[3] in k for k in keys)
         after = runs.inspect(run.dir)
         assert after.active and after.step >= step_before  # still training, alongside

@@ -82,10 +82,7 @@ def serve(tmp_path: Path):
     proc = subprocess.Popen(
         [
             sys.executable,
-            "-m",
-            "streamlit",
-            "run",
-            "app/streamlit_app.py",
+            "app/serve.py",  # warms the process (imports, kernels, MiniLM), then `streamlit run`
             "--server.address",
             "127.0.0.1",
             "--server.port",
@@ -125,15 +122,14 @@ def server(tmp_path_factory):
 
 
 def _heatmap(page, title: str, token: str | None = None, timeout_s: float = START_TIMEOUT_S) -> None:
-    """Wait until the Inspect page's big heatmap is drawn with ``title`` and has ``token`` among its
-    key labels (plotly draws only some tick labels of a long axis, so read the plot's data)."""
+    """Wait until the Inspect page's map (the browser-drawn token view) is drawn with ``title`` and
+    has ``token`` among its tokens."""
     page.wait_for_function(
         """([title, token]) => {
-            const gd = document.querySelector('.st-key-inspect_heatmap .js-plotly-plot');
-            if (!gd || !gd._fullLayout || !gd.data || !gd.data.length) return false;
-            const t = gd.layout.title;
-            const shown = typeof t === 'string' ? t : (t && t.text);
-            return shown === title && (!token || gd.data[0].x.some(x => String(x).includes(token)));
+            const v = document.querySelector('.st-key-inspect_heatmap .attnlab-view');
+            if (!v || !v.attnlab || !v.querySelector('canvas')) return false;
+            const has = !token || v.attnlab.tokens.some(x => String(x).includes(token));
+            return v.dataset.title === title && has;
         }""",
         arg=[title, token],
         timeout=timeout_s * 1000,
@@ -215,46 +211,40 @@ PAGES = ["", "explaining_away", "compare", "embeddings", "train", "hybrid_weight
 LONG_2_WINDOWS = " ".join(["Attention explains away the words that nobody looks at."] * 90)  # ~900 tokens
 
 
-def GD(key: str) -> str:  # noqa: N802 (reads like the JS it writes)
-    """JS expression: the plotly graph div of chart ``key``."""
-    return f"document.querySelector('.st-key-{key} .js-plotly-plot')"
+def _browser(p):
+    return p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
 
 
-def _wait_chart(page, key: str, condition: str, arg=None, timeout_s: float = 60) -> None:
-    """Wait until ``condition`` (JS over ``gd``, the chart's graph div, and ``arg``) holds; a chart
-    being redrawn (no graph div for a moment) is waited for, not an error."""
+def VIEW(key: str) -> str:  # noqa: N802 (reads like the JS it writes)
+    """JS expression: the browser-drawn token view of ``key`` (app/assets/token_views.js)."""
+    return f"document.querySelector('.st-key-{key} .attnlab-view')"
+
+
+def _wait_view(page, key: str, condition: str, arg=None, timeout_s: float = 60) -> None:
+    """Wait until ``condition`` (JS over ``v``, the view's root element, and ``arg``) holds."""
     page.wait_for_function(
-        f"arg => {{ const gd = {GD(key)}; return !!(gd && gd._fullLayout && gd.data && ({condition})); }}",
+        f"arg => {{ const v = {VIEW(key)}; return !!(v && v.attnlab && ({condition})); }}",
         arg=arg,
         timeout=timeout_s * 1000,
     )
 
 
-def _browser(p):
-    return p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
+def _point_view(page, key: str, *where) -> tuple[float, float]:
+    """Screen position of ``v.pointOf(*where)`` on token view ``key`` (heatmap: query, key; head
+    view and strip: position; model view: position, layer, head), scrolled into view, mouse over it."""
+    page.locator(f".st-key-{key} .attnlab-view").scroll_into_view_if_needed()
+    x, y = page.evaluate(f"where => {VIEW(key)}.pointOf(...where)", list(where))
+    page.mouse.move(x, y)
+    return x, y
 
 
-def _shapes(page, key: str) -> int:
-    return page.evaluate(
-        """key => { const gd = document.querySelector(`.st-key-${key} .js-plotly-plot`);
-                   return gd && gd.layout.shapes ? gd.layout.shapes.length : 0; }""",
-        key,
-    )
+def _click_view(page, key: str, *where) -> None:
+    """A real mouse click on token view ``key`` at ``v.pointOf(*where)``."""
+    page.mouse.click(*_point_view(page, key, *where))
 
 
-def _click_point(page, key: str, trace_from_end: int, point: int) -> None:
-    """Click point ``point`` of the trace ``trace_from_end`` places from the end of chart ``key``
-    (a real mouse click at its screen position: plotly picks points from the mouse, not the DOM)."""
-    traces = page.locator(f".st-key-{key} .scatterlayer .trace")
-    target = traces.nth(traces.count() - trace_from_end).locator(".point").nth(point)
-    target.scroll_into_view_if_needed()
-    box = target.bounding_box()
-    page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
-    page.mouse.click(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
-
-
-def _wait_focus(page, key: str, timeout_s: float = 60) -> None:
-    _wait_chart(page, key, "gd.layout.shapes && gd.layout.shapes.length === 2", timeout_s=timeout_s)
+def _focus(page, key: str):
+    return page.evaluate(f"() => {VIEW(key)}.dataset.focus")
 
 
 def test_click_to_focus_and_reload_keep_the_view(server):
@@ -268,77 +258,59 @@ def test_click_to_focus_and_reload_keep_the_view(server):
         _set_text(page, TEXT)
         _heatmap(page, "unas: layer 2, head 0", "umbrella", 120)
         _idle(page)
-        assert _shapes(page, "inspect_heatmap") == 0
-        _click_point(page, "inspect_head_view", 2, 4)  # the query marker of token 4 ("penguins")
-        _wait_focus(page, "inspect_heatmap")
-        _idle(page)
-        assert "Focus: token 4" in page.locator('[data-testid="stMain"]').inner_text()
-        assert "focus=4" in page.url and "text=" in page.url
-        strip = page.evaluate(
-            "() => document.querySelector('.st-key-inspect_token_mass .js-plotly-plot').layout.title.text"
-        )
-        assert "4: penguins sends" in strip
+        assert _focus(page, "inspect_heatmap") == ""
+        _click_view(page, "inspect_head_view", 4)  # the query label of token 4 ("penguins")
+        _wait_focused_everywhere(page, 4, "penguins")
+        assert "text=" in page.url
         # a reload is a new session: the pasted text, the focus and the settings come back from the URL
         page.reload(wait_until="domcontentloaded")
         _heatmap(page, "unas: layer 2, head 0", "umbrella", 120)
-        _wait_focus(page, "inspect_heatmap")
+        _wait_view(page, "inspect_heatmap", "v.dataset.focus === '4'")
         assert "umbrella" in page.get_by_label("Text", exact=True).input_value()
         # a click on a token of the strip focuses it too
         _idle(page)
-        _click_point(page, "inspect_token_mass", 1, 6)
-        _wait_chart(page, "inspect_heatmap", "gd.layout.shapes && gd.layout.shapes[0].y0 === 5.5")
+        _click_view(page, "inspect_token_mass", 6)
+        _wait_view(page, "inspect_heatmap", "v.dataset.focus === '6'")
         _idle(page)
         # a click on a heatmap cell (query 8 "umbrella", key 3 "and") focuses its query, in every view
         _click_heatmap_cell(page, 8, 3)
         _wait_focused_everywhere(page, 8, "umbrella")
         # ... and a click on the focused token's cell again clears the focus everywhere
         _click_heatmap_cell(page, 8, 3)
-        _wait_chart(page, "inspect_heatmap", "!gd.layout.shapes || gd.layout.shapes.length === 0")
+        _wait_view(page, "inspect_heatmap", "v.dataset.focus === ''")
+        _wait_view(page, "inspect_model_view", "v.dataset.focus === ''")
         _idle(page)
         assert "focus=" not in page.url
         assert "Click a token" in page.locator('[data-testid="stMain"]').inner_text()
         # a click on a token of the model view (layer 1, head 2, query 12 "penguin") focuses it too
-        n = page.evaluate(f"() => {GD('inspect_heatmap')}.data[0].x.length")
-        _click_point(page, "inspect_model_view", 1, n * (12 * 1 + 2) + 12)  # MiniLM: 12 heads
+        _click_view(page, "inspect_model_view", 12, 1, 2)
         _wait_focused_everywhere(page, 12, "penguin")
+        # the focus bar's "Clear focus" clears it in every view and in the URL
+        page.locator(".st-key-inspect_focus_bar .av-clear").click()
+        for key in ("inspect_heatmap", "inspect_head_view", "inspect_token_mass", "inspect_model_view"):
+            _wait_view(page, key, "v.dataset.focus === ''")
+        page.wait_for_function("() => !window.location.search.includes('focus=')", timeout=30_000)
         browser.close()
 
 
 def _click_heatmap_cell(page, query: int, key: int) -> None:
-    """Click the heatmap cell (query, key): its click target is point query * N + key of the map's
-    last trace (one invisible marker per cell, in row-major order)."""
-    n = page.evaluate(f"() => {GD('inspect_heatmap')}.data[0].x.length")
-    _click_point(page, "inspect_heatmap", 1, query * n + key)
+    _click_view(page, "inspect_heatmap", query, key)
 
 
 def _wait_focused_everywhere(page, position: int, token: str, timeout_s: float = 60) -> None:
     """Every view of Inspect shows ``position`` focused: the map outlines its row and column, the head
-    view colours its labels, the strip is shaded by the row it sends, the model view names it in its
-    title, the focus line names it, and the URL holds it."""
-    edge = position - 0.5
-    _wait_chart(
-        page,
-        "inspect_heatmap",
-        "gd.layout.shapes && gd.layout.shapes.length === 2 && gd.layout.shapes[0].y0 === arg"
-        " && gd.layout.shapes[1].x0 === arg",
-        edge,
-        timeout_s,
-    )
-    _wait_chart(  # query and key labels of the focused token in the focus colour (last two traces)
-        page,
-        "inspect_head_view",
-        "gd.data.slice(-2).every(t => t.textfont.color[arg] !== t.textfont.color[(arg + 1) % t.x.length])",
-        position,
-        timeout_s,
-    )
+    view and the model view name it in their titles (and draw its lines in the focus colour), the
+    strip is shaded by the row it sends; then the focus line names it and the URL holds it."""
     label = f"{position}: {token}"
-    _wait_chart(page, "inspect_token_mass", "gd.layout.title.text.includes(arg + ' sends')", label, timeout_s)
-    _wait_chart(
-        page, "inspect_model_view", "gd.layout.title.text.includes('(focus: ' + arg + ')')", label, timeout_s
-    )
+    _wait_view(page, "inspect_heatmap", "v.dataset.focus === String(arg)", position, timeout_s)
+    titled = "v.dataset.title.includes('(focus: ' + arg + ')')"
+    _wait_view(page, "inspect_head_view", titled, label, timeout_s)
+    _wait_view(page, "inspect_token_mass", "v.dataset.title.includes(arg + ' sends')", label, timeout_s)
+    _wait_view(page, "inspect_model_view", titled, label, timeout_s)
     _idle(page)
     assert f"Focus: token {position} “{token}”" in page.locator('[data-testid="stMain"]').inner_text()
-    assert f"focus={position}" in page.url
+    in_url = "arg => window.location.search.includes('focus=' + arg)"
+    page.wait_for_function(in_url, arg=position, timeout=30_000)
 
 
 def test_sidebar_survives_a_local_directory_in_the_browser(server):

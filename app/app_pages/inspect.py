@@ -5,8 +5,8 @@ A click on a token focuses it in every view of the page."""
 import streamlit as st
 from appkit import beyond
 from appkit.controls import inputs, window_view
-from appkit.pick import focus_line, layer_head, variant
-from appkit.show import show
+from appkit.pick import layer_head, variant
+from appkit.token_views import focus_bar, token_view
 
 from attnlab.figures.head_view import MODEL_VIEW_MAX_TOKENS
 
@@ -26,27 +26,31 @@ for note in view.notes:
 left, mid, right = st.columns([2, 1, 1])
 chosen = variant(P, view, left)
 layer, head = layer_head(P, L, H, (mid, right))
-focus = focus_line(P, view)
 
-one_head = {"variant": chosen, "layer": layer, "head": head, "focus": focus}
+focus_bar(P, view)  # a click on a token redraws every view at once in the browser, then reruns only the bar
 if N <= HEAD_VIEW_MAX_TOKENS:  # the map and the head view side by side
     maps, lines = st.columns([3, 2])
     with maps:
-        show(
-            P,
-            "heatmap",
-            "heatmap",
-            view,
-            {**one_head, "clickable": True},
-            text=text,
-            width="stretch",
-            clickable=True,
-        )
+        token_view(P, "heatmap", view, chosen, layer, head, text=text)
     with lines:
-        show(P, "head_view", "head_view", view, one_head, text=text, clickable=True)
+        token_view(P, "head_view", view, chosen, layer, head, text=text)
 else:  # a long window: the map gets the whole width
     st.caption(f"The head view draws up to {HEAD_VIEW_MAX_TOKENS} tokens; this window has {N}.")
-    show(P, "heatmap", "heatmap", view, one_head, text=text, width="stretch")
+    token_view(P, "heatmap", view, chosen, layer, head, text=text)
+
+st.subheader("Attention each token receives")
+whole_layer = st.toggle("Mean over the layer's heads", value=True, key=f"{P}_mass_all_heads")
+token_view(P, "token_mass", view, chosen, layer, None if whole_layer else head, text=text)
+
+st.subheader("Every layer and head: head views (model view)")
+if N <= MODEL_VIEW_MAX_TOKENS:
+    token_view(P, "model_view", view, chosen, layer, head, text=text)
+else:
+    st.info(
+        f"The model view draws up to {MODEL_VIEW_MAX_TOKENS} tokens and this window has {N}: "
+        "the layer × head grid below shows every map of it."
+    )
+
 
 GAM_MAPS = {"phi": "Φ: content brains", "theta": "Θ: relative position"}
 if any(name in view.components.get(chosen, {}) for name in GAM_MAPS):  # a GAM checkpoint's parts
@@ -59,22 +63,8 @@ if any(name in view.components.get(chosen, {}) for name in GAM_MAPS):  # a GAM c
         fig = attention_heatmap(maps[key][layer, head], view.tokens, title=f"{chosen}: {label}")
         column.plotly_chart(fig, key=f"{P}_gam_{key}", width="stretch", theme=None)
 
-st.subheader("Attention each token receives")
-whole_layer = st.toggle("Mean over the layer's heads", value=True, key=f"{P}_mass_all_heads")
-strip = {"variant": chosen, "layer": layer, "head": None if whole_layer else head, "focus": focus}
-show(P, "token_mass", "token_mass", view, strip, text=text, clickable=True)
-
-st.subheader("Every layer and head: head views (model view)")
-if N <= MODEL_VIEW_MAX_TOKENS:
-    show(P, "model_view", "model_view", view, {"variant": chosen, "focus": focus}, text=text, clickable=True)
-else:
-    st.info(
-        f"The model view draws up to {MODEL_VIEW_MAX_TOKENS} tokens and this window has {N}: "
-        "the layer × head grid below shows every map of it."
-    )
-
 st.subheader("Every layer and head: maps")
-show(P, "grid", "grid", view, {"variant": chosen, "max_tokens": 48}, text=text)
+token_view(P, "grid", view, chosen, layer, head, text=text)
 
 st.subheader("Rollout and attention flow")
 beyond.rollout_and_flow(P, view, chosen)

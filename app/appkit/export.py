@@ -8,6 +8,7 @@ figure costs nothing; the clicks do not rerun the page.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from functools import partial
 
 import streamlit as st
@@ -27,6 +28,14 @@ MIME = {
 }
 
 
+def _figure_bytes(bundle, fmt: str) -> bytes:
+    return app_views.figure_bytes((bundle() if callable(bundle) else bundle).figure, fmt)
+
+
+def _data_bytes(bundle, fmt: str) -> bytes:
+    return app_views.data_bytes(bundle() if callable(bundle) else bundle, fmt)
+
+
 @st.cache_resource(show_spinner=False)
 def _static_ok() -> bool:
     return chromium_available()
@@ -35,18 +44,23 @@ def _static_ok() -> bool:
 def export_menu(
     prefix: str,
     name: str,
-    bundle: app_views.FigureBundle,
-    manifest: dict | None = None,
+    bundle: app_views.FigureBundle | Callable[[], app_views.FigureBundle],
+    manifest: dict | Callable[[], dict] | None = None,
     text: str | None = None,
 ) -> None:
-    """A popover of download buttons for ``bundle`` (keys ``{prefix}_{name}_{format}``)."""
+    """A popover of download buttons for ``bundle`` (keys ``{prefix}_{name}_{format}``); a callable
+    ``bundle`` is built only when a file is asked for (the views the browser draws itself), and a
+    callable ``manifest`` is called again then (so it can name the focus of that moment)."""
     static = _static_ok()
+    lazy = callable(bundle)
+    make_manifest = manifest if callable(manifest) else (lambda: manifest)
+    manifest = make_manifest()
     with st.popover("Export", icon=":material/download:", key=f"{prefix}_{name}_export"):
         cols = st.columns(4)
         for col, fmt in zip(cols, ("png", "svg", "pdf", "html"), strict=True):
             col.download_button(
                 fmt.upper(),
-                data=partial(app_views.figure_bytes, bundle.figure, fmt),
+                data=partial(_figure_bytes, bundle, fmt),
                 file_name=f"{name}.{fmt}",
                 mime=MIME[fmt],
                 key=f"{prefix}_{name}_{fmt}",
@@ -58,17 +72,17 @@ def export_menu(
         for col, fmt in zip(cols[:2], ("csv", "npz"), strict=True):
             col.download_button(
                 fmt.upper(),
-                data=partial(app_views.data_bytes, bundle, fmt),
+                data=partial(_data_bytes, bundle, fmt),
                 file_name=f"{name}.{fmt}",
                 mime=MIME[fmt],
                 key=f"{prefix}_{name}_{fmt}",
                 on_click="ignore",
-                disabled=fmt == "npz" and not bundle.arrays,
+                disabled=fmt == "npz" and not lazy and not bundle.arrays,
             )
         if manifest is not None:
             cols[2].download_button(
                 "Manifest",
-                data=json.dumps(manifest, indent=2),
+                data=lambda: json.dumps(make_manifest(), indent=2),
                 file_name=f"{name}.manifest.json",
                 mime=MIME["json"],
                 key=f"{prefix}_{name}_manifest",

@@ -30,6 +30,13 @@ def focus(view: WindowView) -> int | None:
     return f["position"]
 
 
+def current_focus(view: WindowView) -> int | None:
+    """The focused token of this analysis as this session has it now (no URL write): what a
+    deferred export reads when it is clicked, after focus clicks that reran only the focus bar."""
+    f = state.shared().get(FOCUS) or {}
+    return f.get("position") if f.get("view") == view.key else None
+
+
 def set_focus(view: WindowView, position: int | None) -> None:
     state.shared()[FOCUS] = {"view": view.key, "position": position}
 

@@ -63,9 +63,9 @@ def block_mean(maps: np.ndarray, max_size: int) -> tuple[np.ndarray, int]:
     f = max(1, math.ceil(max(m, n) / max_size))
     if f == 1:
         return maps, 1
-    bm, bn = math.ceil(m / f), math.ceil(n / f)
-    pad = [(0, 0)] * (maps.ndim - 2) + [(0, bm * f - m), (0, bn * f - n)]
-    sums = np.pad(maps, pad).reshape(*maps.shape[:-2], bm, f, bn, f).sum((-3, -1))
+    # block sums without a padded copy: sums over [0, f), [f, 2f), ... along each axis
+    sums = np.add.reduceat(np.add.reduceat(maps, np.arange(0, n, f), axis=-1), np.arange(0, m, f), axis=-2)
+    bm, bn = sums.shape[-2:]
     rows = np.minimum(f, m - np.arange(bm) * f)  # entries per block row / column
     cols = np.minimum(f, n - np.arange(bn) * f)
     return (sums / np.outer(rows, cols)).astype(np.float32), f

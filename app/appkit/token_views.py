@@ -1,0 +1,190 @@
+"""Inspect's token views drawn in the browser (app/assets/token_views.js, a Streamlit v2 component):
+one head's map, the head view, the token strip and the model view, with click to focus shared by the
+views of a page at once, no round trip. The click then reaches Python (a trigger value), which keeps
+the focus for the other pages and the URL (``appkit.show.focus``).
+
+Each view gets the analysis it draws, float32 (the map and the strip's map, exact values in the
+hover) or, for the model view's L x H maps, one byte per weight (lines only; at most 64 tokens).
+The Export menu under each view builds the library's plotly figure of the same view
+(``attnlab.figures.build``) when a file is asked for.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+from pathlib import Path
+
+import numpy as np
+import streamlit as st
+
+from appkit import state
+from appkit.analysis import WindowView
+from appkit.export import export_menu
+from appkit.show import FOCUS, bundle, current_focus, focus, manifest
+from attnlab.figures._data import block_mean
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+KINDS = ("heatmap", "head_view", "token_mass", "model_view", "grid")  # + "focus_bar" (focus_bar below)
+GRID_MAX_TOKENS = 48  # the grid's maps are means over token blocks beyond this side
+GRID_CELL_PX = 72  # one map of the grid
+HEAD_VIEW_MIN_WEIGHT = 0.02  # lines below this weight are not drawn (as attnlab.figures.head_view)
+MODEL_VIEW_MIN_WEIGHT = 0.05  # (as attnlab.figures.model_view)
+SEQ = "token_views_seq"  # shared state: the sequence number of the last click handled
+
+
+@functools.cache
+def _sources() -> tuple[str, str]:
+    return (ASSETS / "token_views.js").read_text(), (ASSETS / "token_views.css").read_text()
+
+
+def _component():
+    """The component's mounting command. Registered on every call (the same definition again is a
+    no-op): a registration belongs to one Streamlit runtime, and tests start many."""
+    js, css = _sources()
+    # plain DOM (no shadow root): the page's font, and the browser tests read the views
+    return st.components.v2.component("attnlab.token_views", js=js, css=css, isolate_styles=False)
+
+
+def _b64(a: np.ndarray, dtype) -> str:
+    return base64.b64encode(np.ascontiguousarray(a, dtype=dtype).tobytes()).decode("ascii")
+
+
+def view_data(kind: str, view: WindowView, variant: str, layer: int, head: int | None) -> dict:
+    """What the browser draws for ``kind`` (focus and sequence number added by :func:`token_view`).
+
+    ``head`` None (token_mass only): the mean over the layer's heads. Arrays are little-endian,
+    row-major: ``map`` (N, N) float32 of (layer, head); ``strip`` (N, N) float32 of the strip's map
+    (the head, or the mean over the layer's heads: its column sums are the mean column mass, its
+    rows the mean rows sent); ``model`` (L, H, N, N) uint8 of weight / model_max * 255.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    w = np.asarray(view.weights[variant])  # (L, H, N, N)
+    L, H, N, _ = w.shape
+    d = {"kind": kind, "group": view.key, "variant": variant, "tokens": list(view.tokens), "n": N}
+    if kind == "heatmap":
+        m = w[layer, head]
+        top = float(np.nanmax(m)) if m.size and np.isfinite(m).any() else 1.0
+        d.update(map=_b64(m, "<f4"), zmax=top, title=f"{variant}: layer {layer}, head {head}")
+    elif kind == "head_view":
+        d.update(
+            map=_b64(w[layer, head], "<f4"),
+            min_weight=HEAD_VIEW_MIN_WEIGHT,
+            title=f"{variant}: head view, layer {layer}, head {head}",
+        )
+    elif kind == "token_mass":
+        where = f"layer {layer}, " + ("mean over heads" if head is None else f"head {head}")
+        strip = w[layer].mean(0) if head is None else w[layer, head]
+        d.update(
+            strip=_b64(strip, "<f4"),
+            strip_where=where,
+            strip_title=f"{variant}: attention each token receives ({where})",
+        )
+    elif kind == "grid":
+        pooled, f = block_mean(w, GRID_MAX_TOKENS)  # (L, H, m, n)
+        top = float(np.nanmax(pooled)) if pooled.size and np.isfinite(pooled).any() else 1.0
+        title = f"{variant}: attention by layer and head"
+        d.update(
+            grid=_b64(pooled, "<f4"),
+            zmax=top,
+            layers=L,
+            heads=H,
+            side_m=pooled.shape[-2],
+            side_n=pooled.shape[-1],
+            block=f,
+            cell_px=GRID_CELL_PX,
+            title=title if f == 1 else f"{title} (means over {f}x{f} token blocks)",
+        )
+    else:
+        top = float(np.nanmax(w)) if w.size and np.isfinite(w).any() else 1.0
+        q = np.nan_to_num(np.clip(w / (top or 1.0), 0.0, 1.0) * 255.0, nan=0.0)
+        d.update(
+            model=_b64(np.rint(q), "u1"),
+            model_max=top,
+            layers=L,
+            heads=H,
+            min_weight=MODEL_VIEW_MIN_WEIGHT,
+            title=f"{variant}: model view (every layer and head)",
+        )
+    return d
+
+
+def decoded(data: dict) -> dict:
+    """``data`` as the browser reads it, arrays as numpy: ``map`` / ``strip`` (N, N) float32,
+    ``model`` (L, H, N, N) uint8, ``grid`` (L, H, m, n) float32 (the tests read the views so)."""
+    out = dict(data)
+    N = data["n"]
+    shapes = {
+        "map": ("<f4", (N, N)),
+        "strip": ("<f4", (N, N)),
+        "model": ("u1", (data.get("layers"), data.get("heads"), N, N)),
+        "grid": ("<f4", (data.get("layers"), data.get("heads"), data.get("side_m"), data.get("side_n"))),
+    }
+    for name, (dtype, shape) in shapes.items():
+        if data.get(name):
+            out[name] = np.frombuffer(base64.b64decode(data[name]), dtype=dtype).reshape(shape)
+    return out
+
+
+def _on_click(view_key: str, key: str) -> None:
+    """A click in a view: the focus it set ({focus: position or -1, seq}) becomes the shared focus."""
+    value = st.session_state[key].get("focus") if st.session_state.get(key) else None
+    if not value:
+        return
+    position = value.get("focus")
+    if position is not None and position < 0:
+        position = None  # -1: the focus was cleared
+    state.shared()[FOCUS] = {"view": view_key, "position": position}
+    state.shared()[SEQ] = max(int(value.get("seq", 0)), state.shared().get(SEQ, 0))
+
+
+def token_view(
+    prefix: str,
+    kind: str,
+    view: WindowView,
+    variant: str,
+    layer: int,
+    head: int | None,
+    *,
+    text: str | None = None,
+) -> None:
+    """One token view (key ``{prefix}_{kind}``) and its Export menu (the plotly figure, built when
+    a file is asked for, with the focus of that moment)."""
+    data = view_data(kind, view, variant, layer, head)
+    f = focus(view)
+    data.update(focus=f, seq=state.shared().get(SEQ, 0))
+    key = f"{prefix}_{kind}"
+    with st.container(key=key):
+        _component()(
+            data=data,
+            key=f"{key}_view",
+            on_focus_change=lambda: _on_click(view.key, f"{key}_view"),
+        )
+    def params() -> dict:  # the focus of the moment a file is asked for
+        if kind == "grid":
+            return {"variant": variant, "max_tokens": GRID_MAX_TOKENS}
+        return {"variant": variant, "layer": layer, "head": head, "focus": current_focus(view)}
+
+    export_menu(
+        prefix,
+        kind,
+        lambda: bundle(kind, view, params()),
+        lambda: manifest(kind, view, params(), file_name=f"{kind}.manifest.json"),
+        text,
+    )
+
+
+HINT = "Click a token (a map cell, the head view, the token strip, the model view) to focus its attention."
+
+
+@st.fragment
+def focus_bar(prefix: str, view: WindowView) -> None:
+    """Which token is focused, and a button to clear it (drawn in the browser). The views' clicks
+    reach Python through it: a click reruns only this fragment, which keeps the focus in the session
+    (other pages, the views' next run, deferred exports) and in the URL (``?focus=``)."""
+    data = {"kind": "focus_bar", "group": view.key, "tokens": list(view.tokens), "n": view.shape[2]}
+    data.update(hint=HINT, focus=focus(view), seq=state.shared().get(SEQ, 0))
+    key = f"{prefix}_focus_bar"
+    with st.container(key=key):
+        _component()(data=data, key=f"{key}_view", on_focus_change=lambda: _on_click(view.key, f"{key}_view"))
