@@ -674,18 +674,3 @@ def test_run_just_started_counts_as_alive(tmp_path):
     finally:
         child.kill()
         runs._CHILDREN.pop(child.pid, None)
-
-
-def test_a_clicked_point_names_its_token_position():
-    """Seen in the browser: a heatmap cell's customdata row ([query, key, weight], a 2-D numpy
-    array plotly sends as a typed array) reached the click handler as {"0": 8, "1": 3, "2": w}, and
-    int() of it raised, so a click on a map cell never focused. Every form a point's customdata takes
-    gives its position; points without one give None."""
-    sys_path_app()
-    from appkit.show import clicked_position
-
-    assert clicked_position({"0": 8, "1": 3, "2": 0.0043}) == 8  # heatmap cell, model view marker
-    assert clicked_position([8.0, 3.0, 0.0043]) == 8 and clicked_position((5, 1, 2)) == 5
-    assert clicked_position(4) == 4 and clicked_position(np.int64(4)) == 4  # head view, strip
-    assert clicked_position(None) is None and clicked_position([]) is None
-    assert clicked_position({"x": 1}) is None and clicked_position("a") is None

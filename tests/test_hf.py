@@ -511,6 +511,24 @@ def test_fused_statistics_equal_tidy_table_on_the_weights(minilm, english_text, 
     _assert_tables_close(w.table(reference="dnas"), no_ref)  # not cached: recomputed
 
 
+def test_stream_without_statistics_has_the_same_weights_and_table(minilm, english_text):
+    """statistics=False (the app's views): no row sums in the analysis pass, each variant's weights
+    computed when first read, the same weights (bitwise) and table (from the weights) as with them."""
+    from attnlab.hf.lazy_weights import LazyWeights
+
+    plain = hf.stream_analysis(english_text, minilm, window=128, statistics=False).window(0)
+    fused = hf.stream_analysis(english_text, minilm, window=128).window(0)
+    assert plain._sums is None and fused._sums is not None
+    assert isinstance(plain.weights, LazyWeights) and plain.weights.computed == ()
+    assert torch.equal(plain.weights["dnas"], fused.weights["dnas"])
+    assert plain.weights.computed == ("dnas",)  # the one read
+    for v in fused.weights:
+        assert torch.equal(plain.weights[v], fused.weights[v]), v
+    _assert_tables_close(plain.table(), fused.table())
+    with pytest.raises(ValueError, match="statistics must be True or False"):
+        hf.stream_analysis(english_text, minilm, statistics="no")
+
+
 def test_fused_path_handles_a_wide_head_and_matches_the_separate_computations():
     from attnlab import stats
     from attnlab.hf.weights import _variants_with_sums

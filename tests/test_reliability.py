@@ -624,8 +624,8 @@ def _instructions(text: str) -> list[tuple[str, str]]:
 
 def _app_sh_streamlit_args() -> list[str]:
     script = (REPO / "scripts" / "app.sh").read_text()
-    cmd = re.sub(r"\\\n", " ", script[script.index('exec "$PY" -m streamlit') :])
-    return cmd.split()[3:]  # after: exec "$PY" -m
+    cmd = re.sub(r"\\\n", " ", script[script.index('exec "$PY" app/serve.py') :])
+    return cmd.split()[2:]  # after: exec "$PY"
 
 
 def test_dockerfile_invariants(reliability):
@@ -648,9 +648,9 @@ def test_dockerfile_invariants(reliability):
     cmd = json.loads(next(rest for op, rest in ins if op == "CMD"))
     assert cmd[cmd.index("--server.address") + 1] == "0.0.0.0"
     assert cmd[cmd.index("--server.port") + 1] == "8501"
-    # The same entry as scripts/app.sh: python -m streamlit run app/streamlit_app.py + the same flags.
+    # The same entry as scripts/app.sh: python app/serve.py (warm, then streamlit run) + the same flags.
     sh = _app_sh_streamlit_args()
-    assert cmd[1:][:4] == ["-m", "streamlit", "run", "app/streamlit_app.py"] == ["-m", *sh[:3]]
+    assert cmd[1] == "app/serve.py" == sh[0]
     flags = lambda a: {x for x in a if x.startswith("--")}  # noqa: E731
     assert flags(cmd) == flags(sh)
     assert cmd[cmd.index("--server.headless") + 1] == sh[sh.index("--server.headless") + 1].strip('"')
@@ -658,7 +658,7 @@ def test_dockerfile_invariants(reliability):
         "Dockerfile",
         "static checks of its instructions",
         "0.0.0.0:8501, chromium, torch before requirements.txt, non-root USER after every RUN, "
-        "HEALTHCHECK on /_stcore/health, CMD = scripts/app.sh's streamlit entry and flags",
+        "HEALTHCHECK on /_stcore/health, CMD = scripts/app.sh's entry (app/serve.py) and flags",
     )
 
 
@@ -722,7 +722,7 @@ def test_entry_command_serves_health_outside_docker(tmp_path, reliability):
     assert not killed and stopped, (proc.returncode, out[-2000:])
     reliability(
         "the container's entry command",
-        f"`{' '.join(cmd[1:5])} …` on 127.0.0.1:<free port>",
+        f"`{cmd[1]} …` (warms up, then streamlit run) on 127.0.0.1:<free port>",
         f"/_stcore/health answered {body!r}; the server stopped on SIGTERM",
     )
 

@@ -73,3 +73,27 @@ def test_nan_and_unknown_kind():
     assert all(view_data(k, view, "unas", 0, 0)["kind"] == k for k in KINDS)
     with pytest.raises(ValueError, match="kind must be one of"):
         view_data("chart", view, "unas", 0, 0)
+
+
+def test_the_app_reads_one_variant_of_lazy_weights_without_computing_the_others():
+    """appkit.analysis keeps an analysis' lazy weights lazy (as numpy): Inspect, which shows one
+    variant, computes that one (each is ~75 MB and ~0.2 s at 512 tokens)."""
+    import torch
+    from appkit.analysis import _numpy_weights
+
+    from attnlab.hf.lazy_weights import LazyWeights
+
+    asked = []
+
+    def compute(names):
+        asked.append(names)
+        return {n: torch.full((1, 1, 2, 2), float(len(n))) for n in names}
+
+    lazy = LazyWeights(("unas", "dnas"), compute)
+    weights = _numpy_weights(lazy)
+    assert list(weights) == ["unas", "dnas"] and len(weights) == 2 and asked == []
+    np.testing.assert_array_equal(weights["dnas"], np.full((1, 1, 2, 2), 4.0, dtype=np.float32))
+    assert asked == [("dnas",)] and lazy.computed == ("dnas",)
+    assert isinstance(weights["dnas"], np.ndarray)
+    plain = _numpy_weights({"unas": torch.zeros(1, 1, 2, 2)})  # not lazy (swap mode, native models)
+    assert isinstance(plain["unas"], np.ndarray)

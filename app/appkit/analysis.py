@@ -7,6 +7,7 @@ copy of the (L, H, N, N) arrays per rerun), shared by every session, a few entri
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,6 +20,7 @@ from appkit.sources import (
     load,
 )
 from attnlab import hf
+from attnlab.hf.lazy_weights import LazyWeights
 
 _MOVED = {  # names that moved to appkit.controls with the controls
     "SAMPLE",
@@ -71,7 +73,7 @@ class WindowView:
     tokens: list[str]
     input_ids: list[int]  # (N,) model input of this window, special tokens included
     special: np.ndarray  # (N,) bool
-    weights: dict[str, np.ndarray]  # variant -> (L, H, N, N) float32
+    weights: Mapping[str, np.ndarray]  # variant -> (L, H, N, N) float32, computed when first read
     u: float | np.ndarray  # HNAS weight used: float, or (L, H) learned by a native checkpoint
     iters: int  # Sinkhorn iterations used
     window: int
@@ -98,8 +100,7 @@ class WindowView:
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        L, H, N, _ = next(iter(self.weights.values())).shape
-        return L, H, N
+        return self.info.n_layers, self.info.n_heads, len(self.tokens)  # (no weights computed)
 
     def statistics_csv(self, eps_relative: float = 0.1) -> str:
         """Every statistic of ``attnlab.stats.tidy_table`` for this window, as CSV."""
@@ -150,7 +151,9 @@ def _plan(
         u = None
     if model.info.causal and iters == attnlab.variant_spec("sinkhorn").param("iters").default:
         iters = None  # the slider left at its default: the causal rule's 1 (more rounds are refused)
-    return hf.stream_analysis(text, model, variants, mode, u, iters, **dict(extra))
+    # statistics=False: the pages take their statistics from the weights they read, and a variant's
+    # weights are computed when first read (Inspect, showing one variant, computes one)
+    return hf.stream_analysis(text, model, variants, mode, u, iters, statistics=False, **dict(extra))
 
 
 @st.cache_resource(max_entries=3, ttl=1800, show_spinner=False)
@@ -180,13 +183,37 @@ def _window(
         u=used,
         iters=plan.iters,
         window=window,
-        weights={v: w.numpy() for v, w in result.weights.items()},  # (L, H, N, N)
+        weights=_numpy_weights(result.weights),  # (L, H, N, N); a variant's computed when first read
         components={v: {n: t.numpy() for n, t in maps.items()} for v, maps in result.components.items()},
         windowing=plan.windowing.as_dict(),
         text_sha256=plan.text_sha256,
         characters=len(text),
         notes=list(plan.notes),
     )
+
+
+class _NumpyWeights(Mapping):
+    """{variant: (L, H, N, N) numpy} over lazy analysis weights (attnlab.hf.lazy_weights): a variant is
+    computed when first read, so a page that shows one variant computes that one (at 512 tokens each
+    is ~75 MB and ~0.2 s); ``values()`` / ``items()`` compute every variant."""
+
+    def __init__(self, weights: LazyWeights):
+        self._weights = weights
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._weights[name].numpy()  # (a view, no copy)
+
+    def __iter__(self):
+        return iter(self._weights)
+
+    def __len__(self) -> int:
+        return len(self._weights)
+
+
+def _numpy_weights(weights) -> Mapping:
+    if isinstance(weights, LazyWeights):
+        return _NumpyWeights(weights)
+    return {v: w.numpy() for v, w in weights.items()}
 
 
 def _fail(e: Exception) -> None:

@@ -138,6 +138,6 @@ def colors(view: WindowView, layer: int, head: int | None, by: str, kinds: list[
         return [view.tokens[i] for i in index]
     if by == "position":
         return index
-    w = next(iter(view.weights.values()))[layer]  # (H, N, N)
+    w = view.weights[next(iter(view.weights))][layer]  # (H, N, N) of the first variant (only it computed)
     mass = (w.sum(-2).mean(0) if head is None else w[head].sum(-2)).astype(float)  # (N,)
     return [round(float(mass[i]), 4) for i in index]

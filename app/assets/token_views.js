@@ -24,9 +24,15 @@ function group(name) {
   return BUS.groups.get(name);
 }
 
-function decode(b64, Kind) {
+function decode(b64, Kind) {  // little-endian base64 -> typed array
   if (!b64) return null;
-  const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+  let bytes;
+  if (Uint8Array.fromBase64) bytes = Uint8Array.fromBase64(b64);
+  else {
+    const s = atob(b64);
+    bytes = new Uint8Array(s.length);
+    for (let i = 0; i < s.length; i++) bytes[i] = s.charCodeAt(i);
+  }
   return new Kind(bytes.buffer);
 }
 
@@ -43,7 +49,20 @@ function viridis(t) {  // t in [0, 1] -> css colour (linear between the 10 stops
   return `rgb(${c[0]},${c[1]},${c[2]})`;
 }
 
-const LUT = Array.from({ length: 256 }, (_, k) => viridis(k / 255).match(/\d+/g).map(Number));
+const LUT = Uint8Array.from({ length: 256 * 3 }, (_, k) => viridis(Math.floor(k / 3) / 255).match(/\d+/g)[k % 3]);
+
+function paint(rgba, values, start, count, zmax) {  // values[start ...] / zmax -> viridis pixels (NaN: grey)
+  for (let k = 0; k < count; k++) {
+    const v = values[start + k] / zmax, o = 4 * k;
+    if (v === v) {
+      const c = 3 * Math.round((v < 0 ? 0 : v > 1 ? 1 : v) * 255);
+      rgba[o] = LUT[c];
+      rgba[o + 1] = LUT[c + 1];
+      rgba[o + 2] = LUT[c + 2];
+    } else rgba[o] = rgba[o + 1] = rgba[o + 2] = 230;
+    rgba[o + 3] = 255;
+  }
+}
 
 function blues(t) {  // plotly's "Blues", approximately: white -> dark blue
   if (!Number.isFinite(t)) return "#f4f4f4";
@@ -124,11 +143,7 @@ function drawHeatmap(root, d, focus) {
   const [c, g] = canvas(root, "av-canvas", left + side + bar, top + side + bottom);
   const zmax = d.zmax > 0 ? d.zmax : 1;
   const img = new ImageData(Math.max(N, 1), Math.max(N, 1));  // one pixel per cell, then scaled
-  for (let k = 0; k < N * N; k++) {
-    const v = map[k] / zmax;
-    const rgb = Number.isFinite(v) ? LUT[Math.round(Math.min(Math.max(v, 0), 1) * 255)] : [230, 230, 230];
-    img.data.set([rgb[0], rgb[1], rgb[2], 255], 4 * k);
-  }
+  paint(img.data, map, 0, N * N, zmax);
   const off = document.createElement("canvas");
   off.width = off.height = Math.max(N, 1);
   off.getContext("2d").putImageData(img, 0, 0);
@@ -408,12 +423,7 @@ function drawGrid(root, d) {
     g.textAlign = "right";
     g.fillText(`layer ${l}`, left - 6, top + l * (cell + gap) + cell / 2);
     for (let h = 0; h < H; h++) {
-      const base = (l * H + h) * m * n;
-      for (let k = 0; k < m * n; k++) {
-        const v = g4[base + k] / zmax;
-        const rgb = Number.isFinite(v) ? LUT[Math.round(Math.min(Math.max(v, 0), 1) * 255)] : [230, 230, 230];
-        img.data.set([rgb[0], rgb[1], rgb[2], 255], 4 * k);
-      }
+      paint(img.data, g4, (l * H + h) * m * n, m * n, zmax);
       og.putImageData(img, 0, 0);
       g.drawImage(off, left + h * (cell + gap), top + l * (cell + gap), cell, cell);
     }

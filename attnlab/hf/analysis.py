@@ -75,6 +75,7 @@ class AnalysisStream:
     text_sha256: str
     notes: list[str]
     contributions: bool = False  # also record value vectors (WindowResult.values)
+    statistics: bool = True  # row sums for WindowResult.table() in the analysis pass (False: later)
 
     @property
     def u(self) -> float | torch.Tensor:
@@ -121,7 +122,7 @@ class AnalysisStream:
         masks = [special | torch.from_numpy(window.punctuation), special]  # table()'s two choices
         with contribution_view.recording(self) as record:
             weights, sums = window_weights_and_sums(
-                self.loaded, ids, self.variants, self.mode, self.params, masks
+                self.loaded, ids, self.variants, self.mode, self.params, masks if self.statistics else None
             )
         weights = batch_item(weights, 0)  # (L, H, N, N) each; computed on first access when lazy
         cache = None
@@ -192,12 +193,18 @@ def stream_analysis(
     overlap: int | None = None,
     device=None,
     contributions: bool = False,
+    statistics: bool = True,
     **params,
 ) -> AnalysisStream:
     """Plan the analysis of ``text`` (tokenize, cut into windows) without running the model yet.
 
     See :func:`analyze` for the arguments; iterate the result to get the windows one by one.
+    ``statistics=False``: the analysis pass takes no row sums for ``WindowResult.table()`` (which then
+    computes them from the weights, with the same values): for callers that read weights only (the
+    app's views), the weights of each variant then cost only when read (CPU, recompute mode).
     """
+    if not isinstance(statistics, bool):
+        raise ValueError(f"statistics must be True or False, got {statistics!r}")
     if not isinstance(text, str):
         raise ValueError(f"text must be a str, got {type(text).__name__}")
     if not text.strip():
@@ -235,6 +242,7 @@ def stream_analysis(
         text_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
         notes=notes,
         contributions=contribution_view.check_flag(contributions, loaded),
+        statistics=statistics,
     )
 
 

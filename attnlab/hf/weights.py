@@ -124,8 +124,10 @@ def _recompute(loaded: LoadedModel, input_ids, attention_mask, variants, given) 
     return _recompute_with_sums(loaded, input_ids, attention_mask, variants, given)[0]
 
 
-def _recompute_with_sums(loaded, input_ids, attention_mask, variants, given, specials=None):
+def _recompute_with_sums(loaded, input_ids, attention_mask, variants, given, specials=None, lazy=False):
     """-> (weights as in :func:`_recompute`, row sums of every variant for the tidy table or None).
+    ``lazy`` (with ``specials`` None): on the fused CPU path the weights are computed on first read
+    (attnlab.hf.lazy_weights), with no row sums.
 
     The row sums (``attnlab.stats.engine.row_sums_dict`` layout over L*H maps, special-token masses for each
     mask of ``specials``) come with the fused CPU path only: one unmasked text (B = 1) of a
@@ -151,8 +153,10 @@ def _recompute_with_sums(loaded, input_ids, attention_mask, variants, given, spe
         iters = params[by_slot["sinkhorn"]]["iters"] if "sinkhorn" in by_slot else 1
         u_l = _u_per_layer(u, len(captured), q.shape[2], q.device)
         slots = tuple(plan.values())
-        if specials is not None and q.shape[1] == 1 and q.device.type == "cpu":
+        if (specials is not None or lazy) and q.shape[1] == 1 and q.device.type == "cpu":  # lazy weights
             weights, sums = _lazy_with_sums(q, k, scale, plan, u_l, iters, specials)
+            if sums is None:
+                return weights, None
             if by_slot.get("unas", "unas") != "unas":  # the statistics' js reference is unas by name
                 sums = {v: {**raw, "js": None} for v, raw in sums.items()}
             return weights, sums
@@ -246,7 +250,8 @@ def window_weights_and_sums(loaded: LoadedModel, input_ids, variants, mode, give
     """One window (input_ids (1, N), no padding): (weights {variant: (L, 1, H, N, N)} on the CPU, row
     sums for ``attnlab.stats.table_from_row_sums`` or None). On the CPU the sums come with the weights
     when the fused path applies (recompute mode, bidirectional model); on a GPU they are always
-    computed there, from the weights, before these are copied to the CPU."""
+    computed there, from the weights, before these are copied to the CPU. ``specials`` None: no sums
+    (on the CPU's fused path the weights are then still computed on first read, variant by variant)."""
     dev = loaded.device
     ids = input_ids.to(dev)
     ones = torch.ones_like(ids)
@@ -254,8 +259,8 @@ def window_weights_and_sums(loaded: LoadedModel, input_ids, variants, mode, give
         if mode != "recompute":
             weights, sums = _swap(loaded, ids, ones, variants, given), None
         else:
-            weights, sums = _recompute_with_sums(loaded, ids, ones, variants, given, specials)
-        if dev.type == "cpu":
+            weights, sums = _recompute_with_sums(loaded, ids, ones, variants, given, specials, lazy=True)
+        if dev.type == "cpu" or specials is None:
             return weights, sums
         sums = _row_sums_of(weights, specials)
     return {v: w.cpu() for v, w in weights.items()}, sums
@@ -287,12 +292,15 @@ def _lazy_with_sums(q, k, scale, plan: Mapping[str, str], u, iters, specials) ->
     :class:`~attnlab.hf.lazy_weights.LazyWeights`: a variant's are computed on first access by the
     same call with the same arguments (the same kernel or PyTorch path, the same torch threads), so
     they have the values the first call would have written; q, k (L, 1, H, N, D) are kept for that.
-    ``plan``: variant -> its slot in the fused analysis; results are keyed by variant."""
+    ``plan``: variant -> its slot in the fused analysis; results are keyed by variant. ``specials``
+    None: no row sums (None), the weights alone, lazily."""
     use_kernel, threads = _USE_KERNEL, torch.get_num_threads()
     slots = tuple(plan.values())
     by_slot = {slot: v for v, slot in plan.items()}
-    _, sums = fused_sums.variants_with_sums(q, k, scale, slots, u, iters, specials, use_kernel=use_kernel,
-                                            write=())
+    sums = None
+    if specials is not None:
+        _, sums = fused_sums.variants_with_sums(q, k, scale, slots, u, iters, specials, use_kernel=use_kernel,
+                                                write=())
 
     def compute(names: tuple[str, ...]) -> dict[str, torch.Tensor]:
         previous = torch.get_num_threads()
@@ -304,4 +312,5 @@ def _lazy_with_sums(q, k, scale, plan: Mapping[str, str], u, iters, specials) ->
             torch.set_num_threads(previous)
         return {by_slot[slot]: t for slot, t in out.items()}
 
-    return LazyWeights(plan, compute), {by_slot[slot]: raw for slot, raw in sums.items()}
+    by_variant = None if sums is None else {by_slot[slot]: raw for slot, raw in sums.items()}
+    return LazyWeights(plan, compute), by_variant
