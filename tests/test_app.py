@@ -72,6 +72,16 @@ def z_of(fig: dict, trace: int = 0) -> np.ndarray:
     return np.asarray(z, dtype=float)
 
 
+def open_exports(at: AppTest, *figures: str) -> AppTest:
+    """Open the Export menus of ``figures`` ("inspect_heatmap", ...), as a click on each would (their
+    buttons are made only while open: appkit.export)."""
+    for name in figures:
+        at.session_state[f"{name}_export"] = True
+    at.run()
+    assert not at.exception, [e.message for e in at.exception]
+    return at
+
+
 def messages(at: AppTest) -> str:
     return " | ".join(e.value for kind in ("error", "warning", "info") for e in getattr(at, kind))
 
@@ -109,9 +119,11 @@ def test_inspect_shows_maps_and_reacts_to_widgets(app_env):
     n = len(heat["tokens"])
     assert heat["map"].shape == (n, n)
     np.testing.assert_allclose(heat["map"].sum(1), 1.0, atol=1e-4)  # rows sum to 1
-    keys = {b.key for b in at.download_button}
+    kinds = ("heatmap", "head_view", "token_mass", "model_view", "grid")
+    assert not at.download_button  # an Export menu's buttons exist only while it is open
+    keys = {b.key for b in open_exports(at, *(f"inspect_{k}" for k in kinds)).download_button}
     formats = ("png", "svg", "pdf", "html", "csv", "npz", "manifest")
-    for kind in ("heatmap", "head_view", "token_mass", "model_view", "grid"):
+    for kind in kinds:
         assert {f"inspect_{kind}_{f}" for f in formats} <= keys
 
     at.slider(key="inspect_head").set_value(3).run()
@@ -639,7 +651,7 @@ def test_focus_from_the_url_reaches_every_view(app_env):
 
 def test_export_snippet_names_the_downloaded_manifest(app_env):
     """Seen: the Python snippet read manifest.json while the file downloads as heatmap.manifest.json."""
-    at = open_page()
+    at = open_exports(open_page(), "inspect_heatmap")
     button = next(b for b in at.download_button if b.key == "inspect_heatmap_manifest")
     name = button.proto.file_name if hasattr(button.proto, "file_name") else "heatmap.manifest.json"
     assert name == "heatmap.manifest.json"

@@ -49,6 +49,8 @@ def test_interventions_page_map_and_before_after(app_env):
     title = _charts(at)["interventions_dnas_map"]["layout"]["title"]["text"]
     assert title.startswith("Layer 3, head 5")
     at.toggle(key="interventions_export_toggle").set_value(True).run()
+    at.session_state["interventions_map_export_export"] = True  # its Export menu opened
+    at.run()
     assert "interventions_map_export_html" in {b.key for b in at.download_button}
 
 
@@ -62,6 +64,8 @@ def test_explaining_away_by_contribution_and_without_sinks(app_env):
     assert "by contribution" in fig["layout"]["title"]["text"]
     at.toggle(key="away_no_sinks").set_value(True).run()
     assert "sink keys excluded" in _charts(at)["away_explained_away_beyond"]["layout"]["title"]["text"]
+    at.session_state["away_explained_away_beyond_export"] = True  # its Export menu opened
+    at.run()
     assert "away_explained_away_beyond_html" in {b.key for b in at.download_button}
 
 

@@ -2,7 +2,7 @@
 (CSV / NPZ), and a JSON manifest (+ the text) from which ``attnlab analyze`` reproduces the figure.
 
 Files are generated only when a button is clicked (deferred ``data`` callables), so an unexported
-figure costs nothing; the clicks do not rerun the page.
+figure costs nothing; the clicks do not rerun the page. The menu's buttons exist only while it is open.
 """
 
 from __future__ import annotations
@@ -50,12 +50,19 @@ def export_menu(
 ) -> None:
     """A popover of download buttons for ``bundle`` (keys ``{prefix}_{name}_{format}``); a callable
     ``bundle`` is built only when a file is asked for (the views the browser draws itself), and a
-    callable ``manifest`` is called again then (so it can name the focus of that moment)."""
+    callable ``manifest`` is called again then (so it can name the focus of that moment).
+
+    The popover's content is made only while it is open (opening it reruns the page): a page with
+    six figures otherwise sent ~120 buttons and code blocks on every rerun, which the browser laid
+    out each time (most of a text change's time in the browser)."""
+    menu = st.popover("Export", icon=":material/download:", key=f"{prefix}_{name}_export", on_change="rerun")
+    if not menu.open:
+        return
     static = _static_ok()
     lazy = callable(bundle)
     make_manifest = manifest if callable(manifest) else (lambda: manifest)
     manifest = make_manifest()
-    with st.popover("Export", icon=":material/download:", key=f"{prefix}_{name}_export"):
+    with menu:
         cols = st.columns(4)
         for col, fmt in zip(cols, ("png", "svg", "pdf", "html"), strict=True):
             col.download_button(
