@@ -529,6 +529,26 @@ def test_stream_without_statistics_has_the_same_weights_and_table(minilm, englis
         hf.stream_analysis(english_text, minilm, statistics="no")
 
 
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_one_variant_written_without_sums_equals_every_variant_with_sums(use_kernel):
+    """The lazy weights' call (write one variant, no row sums: the kernel skips the Sinkhorn rounds,
+    HNAS rows and distances it does not need) writes bitwise what the full pass writes."""
+    from attnlab.hf import fused_sums
+
+    torch.manual_seed(1)
+    L, H, N, D = 2, 3, 20, 8
+    q, k = torch.randn(L, 1, H, N, D), torch.randn(L, 1, H, N, D)
+    q[0, 0, 1] *= 10.0  # one wide head (the log-space path) among linear ones
+    special = torch.zeros(N, dtype=torch.bool)
+    special[[0, N - 1]] = True
+    args = (q, k, [0.4, 0.35], KERNEL, 0.5, 3, [special])
+    full, _ = fused_sums.variants_with_sums(*args, use_kernel=use_kernel)
+    for v in KERNEL:
+        one, sums = fused_sums.variants_with_sums(*args, use_kernel=use_kernel, write=[v], sums=False)
+        assert sums is None and list(one) == [v]
+        assert torch.equal(one[v], full[v]), v
+
+
 def test_fused_path_handles_a_wide_head_and_matches_the_separate_computations():
     from attnlab import stats
     from attnlab.hf.weights import _variants_with_sums

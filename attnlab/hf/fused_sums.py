@@ -134,12 +134,15 @@ def variants_with_sums(q, k, scale, variants, u, iters, specials, use_kernel: bo
             ql, kl, u_h = q[layer, 0, h], k[layer, 0, h], float(u_maps[row])
             check_span = span_bound[row] > LINEAR_SPAN_MAX
             if kernel is not None:  # the whole head in the CPU kernel (attnlab/csrc/analysis_cpu.cpp)
-                js = settings.js_variants
+                # without sums only the written variants are needed: no distances, no Sinkhorn rounds
+                # or HNAS rows that are not written (unas and dnas come from the same factors anyway)
+                js = settings.js_variants if sums else ()
+                need = variants if sums else write
                 if kernel.head(ql, kl, scale[layer], spec_t, iters, check_span, u_h,
                                *(views.get(v) for v in ("unas", "dnas", "hnas", "sinkhorn")), *scratch[:2],
                                buf.alpha[row], buf.beta[row], buf.cols[row], buf.dn_rows[row],
                                buf.sk_rows[row], buf.rows[row], "dnas" in js, "hnas" in js, "sinkhorn" in js,
-                               "hnas" in variants, "sinkhorn" in variants):
+                               "hnas" in need, "sinkhorn" in need):
                     continue
             else:
                 s = scratch[0]
