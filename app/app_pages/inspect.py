@@ -12,6 +12,7 @@ from attnlab.figures.head_view import MODEL_VIEW_MAX_TOKENS
 
 P = "inspect"
 HEAD_VIEW_MAX_TOKENS = 64
+SIDE_BY_SIDE_MAX_TOKENS = 32  # beyond, a map beside the head view has cells too narrow to label every token
 
 st.title("Inspect attention")
 text, settings = inputs(P)
@@ -28,12 +29,15 @@ chosen = variant(P, view, left)
 layer, head = layer_head(P, L, H, (mid, right))
 
 focus_bar(P, view)  # a click on a token redraws every view at once in the browser, then reruns only the bar
-if N <= HEAD_VIEW_MAX_TOKENS:  # the map and the head view side by side
+if N <= SIDE_BY_SIDE_MAX_TOKENS:  # the map and the head view side by side
     maps, lines = st.columns([3, 2])
     with maps:
         token_view(P, "heatmap", view, chosen, layer, head, text=text)
     with lines:
         token_view(P, "head_view", view, chosen, layer, head, text=text)
+elif N <= HEAD_VIEW_MAX_TOKENS:  # the map over the whole width (every token labelled), the head view below
+    token_view(P, "heatmap", view, chosen, layer, head, text=text)
+    token_view(P, "head_view", view, chosen, layer, head, text=text)
 else:  # a long window: the map gets the whole width
     st.caption(f"The head view draws up to {HEAD_VIEW_MAX_TOKENS} tokens; this window has {N}.")
     token_view(P, "heatmap", view, chosen, layer, head, text=text)

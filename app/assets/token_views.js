@@ -137,7 +137,10 @@ function showTip(root, ev, text) {
 function drawHeatmap(root, d, focus) {
   const N = d.n, map = d.map, tokens = d.tokens;
   const width = Math.max(320, root.clientWidth || 600);
-  const left = 110, top = 8, bottom = 100, bar = 70;
+  const probe = document.createElement("canvas").getContext("2d");
+  probe.font = "12px sans-serif";
+  const longest = Math.max(0, ...tokens.map((_, i) => probe.measureText(label(tokens, i)).width));
+  const left = Math.min(130, longest + 26), top = 8, bottom = Math.min(110, longest + 24), bar = 80;
   const cell = Math.max(1, Math.min(28, (width - left - bar) / N));
   const side = cell * N;
   const [c, g] = canvas(root, "av-canvas", left + side + bar, top + side + bottom);
