@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import struct
@@ -311,6 +312,40 @@ def _wait_focused_everywhere(page, position: int, token: str, timeout_s: float =
     assert f"Focus: token {position} “{token}”" in page.locator('[data-testid="stMain"]').inner_text()
     in_url = "arg => window.location.search.includes('focus=' + arg)"
     page.wait_for_function(in_url, arg=position, timeout=30_000)
+
+
+def _tooltip(page, key: str, x: float, y: float) -> str:
+    page.mouse.move(x, y)
+    tip = f"{VIEW(key)}.querySelector('.av-tip')"
+    shown = f"() => {{ const t = {tip}; return t && t.style.display === 'block'; }}"
+    page.wait_for_function(shown, timeout=30_000)
+    return page.evaluate(f"() => {tip}.textContent")
+
+
+def test_hover_names_positions_in_every_view(server):
+    """Seen: tooltips showed "query: , / key: august" without positions, the grid's said "querys",
+    the head view had none. Each view's hover names positions and tokens (and the weight)."""
+    url, _, _ = server
+    with sync_api.sync_playwright() as p:
+        browser = _browser(p)
+        page = browser.new_page(viewport={"width": 1600, "height": 1000})
+        page.goto(url, wait_until="domcontentloaded")
+        _heatmap(page, "unas: layer 2, head 0")
+        _idle(page)
+        tip = _tooltip(page, "inspect_heatmap", *_point_view(page, "inspect_heatmap", 3, 1))
+        assert "query 3: sat" in tip and "key 1: the" in tip and "weight 0." in tip, tip
+        tip = _tooltip(page, "inspect_head_view", *_point_view(page, "inspect_head_view", 4))
+        assert tip.startswith("query 4: on → ") and tip.count(":") >= 4, tip  # its three strongest keys
+        title = page.evaluate(f"() => {VIEW('inspect_token_mass')}.querySelectorAll('.av-token')[2].title")
+        assert re.fullmatch(r"token 2: cat\nmass \d+\.\d{4}", title), title
+        _set_text(page, f"Round castle. {LONG_TEXT}")  # ~505 tokens: the grid's maps are 11 x 11 block means
+        _heatmap(page, "unas: layer 2, head 0", "castle", 120)
+        _idle(page)
+        page.locator(".st-key-inspect_grid .attnlab-view").scroll_into_view_if_needed()
+        box = page.locator(".st-key-inspect_grid canvas").bounding_box()
+        tip = _tooltip(page, "inspect_grid", box["x"] + 58 + 3, box["y"] + 20 + 3)  # in map (0, 0)
+        assert re.fullmatch(r"layer 0, head 0\nqueries \d+-\d+\nkeys \d+-\d+\nweight \d\.\d{4}", tip), tip
+        browser.close()
 
 
 def test_sidebar_survives_a_local_directory_in_the_browser(server):

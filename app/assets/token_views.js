@@ -441,7 +441,9 @@ function drawGrid(root, d) {
   g.fillText(zmax.toFixed(3), x0 + 18, top + 6);
   g.fillText("0", x0 + 18, top + span - 6);
   g.fillText("weight", x0 + 18, top + span / 2);
-  const range = (i, count, what) => (f === 1 ? `${what} ${i}: ${tokens[i]}` : `${what}s ${i * f}-${Math.min((i + 1) * f, count) - 1}`);
+  const PLURAL = { query: "queries", key: "keys" };
+  const range = (i, count, what) =>
+    f === 1 ? `${what} ${i}: ${tokens[i]}` : `${PLURAL[what]} ${i * f}-${Math.min((i + 1) * f, count) - 1}`;
   c.onmousemove = (ev) => {
     const r = c.getBoundingClientRect();
     const x = ev.clientX - r.left - left, y = ev.clientY - r.top - top;
