@@ -559,7 +559,7 @@ def test_sidebar_widgets_come_from_the_variant_specs(app_env):
     # a parameter beyond u and iters reaches the analysis (Sinkhorn's tol), its manifest and the URL
     at.slider(key="inspect_sinkhorn_tol").set_value(0.5).run()
     assert not at.exception and "sinkhorn_tol" in at.query_params
-    snippet = next(c.value for c in at.code if "attnlab analyze" in c.value)
+    snippet = next(c.value for c in open_exports(at, "inspect_heatmap").code if "attnlab analyze" in c.value)
     assert "--tol 0.5" in snippet and "--iters 3" in snippet
 
 

@@ -217,5 +217,7 @@ def test_toy_variant_in_the_app(toy, monkeypatch, tmp_path):
     assert widget.value == 2.0 and widget.help == "temperature"
     widget.set_value(4.0).run()
     assert not at.exception, [e.message for e in at.exception]
+    at.session_state["inspect_heatmap_export"] = True  # the heatmap's Export menu opened: its snippet
+    at.run()
     snippet = next(c.value for c in at.code if "attnlab analyze" in c.value)
     assert "--variants unas,tempered" in snippet and "--t 4" in snippet
