@@ -345,6 +345,13 @@ def test_hover_names_positions_in_every_view(server):
         box = page.locator(".st-key-inspect_grid canvas").bounding_box()
         tip = _tooltip(page, "inspect_grid", box["x"] + 58 + 3, box["y"] + 20 + 3)  # in map (0, 0)
         assert re.fullmatch(r"layer 0, head 0\nqueries \d+-\d+\nkeys \d+-\d+\nweight \d\.\d{4}", tip), tip
+        # a long window's strip: exact masses, the focused row's weights from 16-bit rows (said so)
+        title = page.evaluate(f"() => {VIEW('inspect_token_mass')}.querySelectorAll('.av-token')[4].title")
+        assert re.fullmatch(r"token 4: \S+\nmass \d+\.\d{4}", title), title
+        _click_view(page, "inspect_token_mass", 3)
+        _wait_view(page, "inspect_token_mass", "v.dataset.focus === '3'")
+        title = page.evaluate(f"() => {VIEW('inspect_token_mass')}.querySelectorAll('.av-token')[4].title")
+        assert re.fullmatch(r"token 4: \S+\nweight ≈ \d\.\d{4}", title), title
         browser.close()
 
 

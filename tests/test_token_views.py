@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("streamlit")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "app"))
-from appkit.token_views import GRID_MAX_TOKENS, KINDS, decoded, view_data  # noqa: E402
+from appkit.token_views import GRID_MAX_TOKENS, KINDS, STRIP_EXACT_MAX_TOKENS, decoded, view_data  # noqa: E402
 
 from attnlab.figures._data import block_mean  # noqa: E402
 
@@ -97,3 +97,19 @@ def test_the_app_reads_one_variant_of_lazy_weights_without_computing_the_others(
     assert isinstance(weights["dnas"], np.ndarray)
     plain = _numpy_weights({"unas": torch.zeros(1, 1, 2, 2)})  # not lazy (swap mode, native models)
     assert isinstance(plain["unas"], np.ndarray)
+
+
+def test_a_long_strip_sends_exact_masses_and_16_bit_rows():
+    N = STRIP_EXACT_MAX_TOKENS + 2
+    view, w = _view(L=1, H=2, N=N, seed=2)
+    strip = decoded(view_data("token_mass", view, "unas", 0, None))
+    assert "strip" not in strip
+    np.testing.assert_allclose(strip["strip_mass"], w[0].mean(0).sum(0), rtol=1e-6)  # exact masses
+    assert np.isfinite(strip["strip_mass"]).all()
+    w[0, :, 5] = np.nan  # a NaN row (query 5) in both heads
+    strip = decoded(view_data("token_mass", view, "unas", 0, None))
+    mean = w[0].mean(0)  # (N, N): what the strip shades
+    rows = strip["strip_q"].astype(np.float64) * strip["strip_max"] / 65534
+    rows[strip["strip_q"] == 65535] = np.nan
+    np.testing.assert_allclose(rows, mean, atol=strip["strip_max"] / 65534 / 2 + 1e-9)
+    assert np.isnan(rows[5]).all() and strip["strip_max"] == pytest.approx(float(np.nanmax(mean)))

@@ -28,6 +28,7 @@ ASSETS = Path(__file__).resolve().parents[1] / "assets"
 KINDS = ("heatmap", "head_view", "token_mass", "model_view", "grid")  # + "focus_bar" (focus_bar below)
 GRID_MAX_TOKENS = 48  # the grid's maps are means over token blocks beyond this side
 GRID_CELL_PX = 72  # one map of the grid
+STRIP_EXACT_MAX_TOKENS = 128  # beyond, the strip's rows travel as 16-bit fractions of their top
 HEAD_VIEW_MIN_WEIGHT = 0.02  # lines below this weight are not drawn (as attnlab.figures.head_view)
 MODEL_VIEW_MIN_WEIGHT = 0.05  # (as attnlab.figures.model_view)
 SEQ = "token_views_seq"  # shared state: the sequence number of the last click handled
@@ -75,12 +76,14 @@ def view_data(kind: str, view: WindowView, variant: str, layer: int, head: int |
         )
     elif kind == "token_mass":
         where = f"layer {layer}, " + ("mean over heads" if head is None else f"head {head}")
-        strip = w[layer].mean(0) if head is None else w[layer, head]
-        d.update(
-            strip=_b64(strip, "<f4"),
-            strip_where=where,
-            strip_title=f"{variant}: attention each token receives ({where})",
-        )
+        strip = w[layer].mean(0) if head is None else w[layer, head]  # (N, N)
+        d.update(strip_where=where, strip_title=f"{variant}: attention each token receives ({where})")
+        if N <= STRIP_EXACT_MAX_TOKENS:
+            d.update(strip=_b64(strip, "<f4"))
+        else:  # exact column masses; the rows (shown when a token is focused) to 1 / 65534 of the top
+            top = float(np.nanmax(strip)) if np.isfinite(strip).any() else 1.0
+            q = np.where(np.isnan(strip), 65535.0, np.rint(np.clip(strip / (top or 1.0), 0, 1) * 65534.0))
+            d.update(strip_q=_b64(q, "<u2"), strip_max=top, strip_mass=_b64(strip.sum(0), "<f4"))
     elif kind == "grid":
         pooled, f = block_mean(w, GRID_MAX_TOKENS)  # (L, H, m, n)
         top = float(np.nanmax(pooled)) if pooled.size and np.isfinite(pooled).any() else 1.0
@@ -118,6 +121,8 @@ def decoded(data: dict) -> dict:
     shapes = {
         "map": ("<f4", (N, N)),
         "strip": ("<f4", (N, N)),
+        "strip_q": ("<u2", (N, N)),
+        "strip_mass": ("<f4", (N,)),
         "model": ("u1", (data.get("layers"), data.get("heads"), N, N)),
         "grid": ("<f4", (data.get("layers"), data.get("heads"), data.get("side_m"), data.get("side_n"))),
     }

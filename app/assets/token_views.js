@@ -285,15 +285,20 @@ function drawHeadView(root, d, focus) {
 
 // ---- token strip -----------------------------------------------------------------------------
 function drawStrip(root, d, focus) {
-  const N = d.n, strip = d.strip, tokens = d.tokens;
+  const N = d.n, strip = d.strip, tokens = d.tokens, quantized = !strip;  // long windows: 16-bit rows
   const values = new Float64Array(N);
   for (let j = 0; j < N; j++) {
-    if (focus === null) {
+    if (focus === null && quantized) values[j] = d.strip_mass[j];  // exact column mass
+    else if (focus === null) {
       let s = 0;
       for (let i = 0; i < N; i++) s += strip[i * N + j];
       values[j] = s;  // column mass
-    } else values[j] = strip[focus * N + j];  // the row the focused token sends
+    } else if (quantized) {
+      const v = d.strip_q[focus * N + j];
+      values[j] = v === 65535 ? NaN : (v * d.strip_max) / 65534;  // the row the focused token sends
+    } else values[j] = strip[focus * N + j];
   }
+  const approx = quantized && focus !== null ? "≈ " : "";
   const sorted = Array.from(values).filter(Number.isFinite).sort((a, b) => a - b);
   const q = (sorted.length - 1) * 0.95, lo = Math.floor(q);  // the 95th percentile (linear)
   const cap = sorted.length ? Math.max(sorted[lo] + (q - lo) * ((sorted[lo + 1] ?? sorted[lo]) - sorted[lo]), 1e-9) : 1;
@@ -315,7 +320,7 @@ function drawStrip(root, d, focus) {
     span.style.background = blues(t);
     span.style.color = t > 0.55 ? "white" : "#111";
     span.dataset.position = j;
-    span.title = `token ${j}: ${tokens[j]}\n${what} ${values[j].toFixed(4)}`;
+    span.title = `token ${j}: ${tokens[j]}\n${what} ${approx}${values[j].toFixed(4)}`;
     span.onclick = () => click(root, j);
     cells.push(span);
   }
@@ -504,8 +509,8 @@ export default function (component) {
     root.className = "attnlab-view";
     parentElement.appendChild(root);
   }
-  const d = { ...data, grid: decode(data.grid, Float32Array), map: decode(data.map, Float32Array), strip: decode(data.strip, Float32Array), model: decode(data.model, Uint8Array) };
-  if (d.kind === "token_mass" && !d.strip) d.strip = d.map;
+  const d = { ...data, grid: decode(data.grid, Float32Array), map: decode(data.map, Float32Array), strip: decode(data.strip, Float32Array),
+    strip_q: decode(data.strip_q, Uint16Array), strip_mass: decode(data.strip_mass, Float32Array), model: decode(data.model, Uint8Array) };
   root.attnlab = d;
   root.attnlabSend = (v) => setTriggerValue("focus", v);
   root.redraw = () => draw(root);
