@@ -148,7 +148,8 @@ def screenshots(p, url: str, shots: Path) -> list[Path]:
             name = path or "inspect"
             written.append(shots / f"{name}_{width}x{height}.png")
             page.screenshot(path=str(written[-1]))
-            charts = page.locator(".stPlotlyChart")
+            # plotly charts and the browser-drawn token views (app/assets/token_views.js)
+            charts = page.locator(".stPlotlyChart, .attnlab-view:not([data-kind=focus_bar])")
             for k in range(charts.count()):
                 charts.nth(k).scroll_into_view_if_needed()
                 written.append(shots / f"{name}_{width}x{height}_chart{k}.png")
