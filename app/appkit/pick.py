@@ -59,10 +59,11 @@ def variant(prefix: str, view: WindowView, container=None) -> str:
 
 
 def focus_line(prefix: str, view: WindowView) -> int | None:
-    """The focused token (None: none) and a line saying how to focus, or which token is focused."""
+    """The focused token (None: none) and a line saying how to focus (on Inspect; Inspect draws its
+    own focus bar, appkit.token_views), or which token is focused."""
     f = focus(view)
     if f is None:
-        st.caption("Click a token (a map cell, the head view, the token strip) to focus its attention.")
+        st.caption("Focus a token by clicking it on Inspect: its row and column are outlined here too.")
         return None
     a, b = st.columns([5, 1])
     a.markdown(
