@@ -46,9 +46,14 @@ def test_each_view_gets_the_analysis_numbers():
     np.testing.assert_array_equal(one["strip"], w[1, 0])
     assert one["strip_where"] == "layer 1, head 0"
     model = decoded(view_data("model_view", view, "unas", 0, 0))
-    assert model["model"].shape == w.shape and model["model"].dtype == np.uint8
-    np.testing.assert_allclose(model["model"] * (model["model_max"] / 255), w, atol=w.max() / 255 / 2 + 1e-7)
-    assert (model["layers"], model["heads"]) == (2, 3)
+    assert (model["layers"], model["heads"]) == (2, 3) and model["model_off"].tolist()[0] == 0
+    dense = np.zeros((2 * 3, 25))  # the pairs it draws (>= min_weight), one byte each, per head
+    for h in range(6):
+        span = slice(model["model_off"][h], model["model_off"][h + 1])
+        dense[h, model["model_idx"][span]] = model["model_val"][span] * (model["model_max"] / 255)
+    drawn = np.where(w >= model["min_weight"], w, 0.0).reshape(6, 25)
+    np.testing.assert_allclose(dense, drawn, atol=w.max() / 255 / 2 + 1e-7)
+    assert (dense > 0).sum() == (w >= model["min_weight"]).sum()
 
 
 def test_grid_is_the_block_mean_and_says_so():
@@ -69,7 +74,11 @@ def test_nan_and_unknown_kind():
     heat = decoded(view_data("heatmap", view, "unas", 0, 0))
     assert np.isnan(heat["map"][1]).all() and np.isfinite(heat["zmax"])
     model = decoded(view_data("model_view", view, "unas", 0, 0))
-    assert model["model"][0, 0, 1].tolist() == [0] * 5  # NaN weights draw no line
+    first = model["model_idx"][model["model_off"][0] : model["model_off"][1]]
+    assert not ((first // 5) == 1).any()  # NaN weights (row 1 of map (0, 0)) draw no line
+    long, _ = _view(L=1, H=1, N=65)
+    with pytest.raises(ValueError, match="model view draws up to 64 tokens"):
+        view_data("model_view", long, "unas", 0, 0)
     assert all(view_data(k, view, "unas", 0, 0)["kind"] == k for k in KINDS)
     with pytest.raises(ValueError, match="kind must be one of"):
         view_data("chart", view, "unas", 0, 0)

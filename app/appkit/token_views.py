@@ -4,7 +4,8 @@ views of a page at once, no round trip. The click then reaches Python (a trigger
 the focus for the other pages and the URL (``appkit.show.focus``).
 
 Each view gets the analysis it draws, float32 (the map and the strip's map, exact values in the
-hover) or, for the model view's L x H maps, one byte per weight (lines only; at most 64 tokens).
+hover) or, for the model view's L x H maps, the pairs it draws (weight >= its minimum), one byte per
+weight (at most 64 tokens).
 The Export menu under each view builds the library's plotly figure of the same view
 (``attnlab.figures.build``) when a file is asked for.
 """
@@ -23,6 +24,7 @@ from appkit.analysis import WindowView
 from appkit.export import export_menu
 from appkit.show import FOCUS, bundle, current_focus, focus, manifest
 from attnlab.figures._data import block_mean
+from attnlab.figures.head_view import MODEL_VIEW_MAX_TOKENS
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 KINDS = ("heatmap", "head_view", "token_mass", "model_view", "grid")  # + "focus_bar" (focus_bar below)
@@ -99,11 +101,18 @@ def view_data(kind: str, view: WindowView, variant: str, layer: int, head: int |
             cell_px=GRID_CELL_PX,
             title=title if f == 1 else f"{title} (means over {f}x{f} token blocks)",
         )
-    else:
+    else:  # the model view draws the pairs >= its min weight only: those, sparse, per head
+        if N > MODEL_VIEW_MAX_TOKENS:
+            raise ValueError(f"the model view draws up to {MODEL_VIEW_MAX_TOKENS} tokens, the window has {N}")
         top = float(np.nanmax(w)) if w.size and np.isfinite(w).any() else 1.0
-        q = np.nan_to_num(np.clip(w / (top or 1.0), 0.0, 1.0) * 255.0, nan=0.0)
+        flat = w.reshape(L * H, N * N)
+        heads, where = np.nonzero(flat >= MODEL_VIEW_MIN_WEIGHT)  # row-major: grouped by head
+        values = np.rint(np.clip(flat[heads, where] / (top or 1.0), 0.0, 1.0) * 255.0)
+        offsets = np.searchsorted(heads, np.arange(L * H + 1))  # head h: entries [off[h], off[h + 1])
         d.update(
-            model=_b64(np.rint(q), "u1"),
+            model_idx=_b64(where, "<u2"),
+            model_val=_b64(values, "u1"),
+            model_off=_b64(offsets, "<u4"),
             model_max=top,
             layers=L,
             heads=H,
@@ -114,8 +123,8 @@ def view_data(kind: str, view: WindowView, variant: str, layer: int, head: int |
 
 
 def decoded(data: dict) -> dict:
-    """``data`` as the browser reads it, arrays as numpy: ``map`` / ``strip`` (N, N) float32,
-    ``model`` (L, H, N, N) uint8, ``grid`` (L, H, m, n) float32 (the tests read the views so)."""
+    """``data`` as the browser reads it, arrays as numpy (see :func:`view_data`; the tests read the
+    views so)."""
     out = dict(data)
     N = data["n"]
     shapes = {
@@ -123,7 +132,9 @@ def decoded(data: dict) -> dict:
         "strip": ("<f4", (N, N)),
         "strip_q": ("<u2", (N, N)),
         "strip_mass": ("<f4", (N,)),
-        "model": ("u1", (data.get("layers"), data.get("heads"), N, N)),
+        "model_idx": ("<u2", (-1,)),
+        "model_val": ("u1", (-1,)),
+        "model_off": ("<u4", (-1,)),
         "grid": ("<f4", (data.get("layers"), data.get("heads"), data.get("side_m"), data.get("side_n"))),
     }
     for name, (dtype, shape) in shapes.items():

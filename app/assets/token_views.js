@@ -341,11 +341,20 @@ function drawStrip(root, d, focus) {
 
 // ---- model view ------------------------------------------------------------------------------
 function drawModelView(root, d, focus) {
-  const { n: N, layers: L, heads: H, tokens } = d, model = d.model;  // uint8: weight / model_max * 255
+  // the pairs >= min_weight of every head, sparse: head h's are model_idx / model_val[off[h] .. off[h + 1])
+  // (index i * N + j, value weight / model_max * 255)
+  const { n: N, layers: L, heads: H, tokens } = d, idx = d.model_idx, val = d.model_val, off = d.model_off;
   const cw = 72, gapx = 10, left = 56, top = 22;
   const rowpx = Math.max(3, Math.min(8, 260 / N)), ch = rowpx * N, gapy = 3 * rowpx + 8;
   const [c, g] = canvas(root, "av-canvas", left + H * (cw + gapx), top + L * (ch + gapy));
-  const scale = d.model_max / 255, min = d.min_weight;
+  const line = (x0, y0, k, colour, level) => {
+    g.strokeStyle = colour;
+    g.lineWidth = 0.5 + 1.5 * level;
+    g.beginPath();
+    g.moveTo(x0 + 4, y0 + (Math.floor(k / N) + 0.5) * rowpx);
+    g.lineTo(x0 + cw - 4, y0 + ((k % N) + 0.5) * rowpx);
+    g.stroke();
+  };
   g.textBaseline = "middle";
   g.fillStyle = "#222";
   g.textAlign = "center";
@@ -356,33 +365,17 @@ function drawModelView(root, d, focus) {
     g.textAlign = "right";
     g.fillText(`layer ${l}`, left - 6, y0 + ch / 2);
     for (let h = 0; h < H; h++) {
-      const x0 = left + h * (cw + gapx), base = (l * H + h) * N * N;
-      const strong = [];  // the 2N strongest pairs >= min (as the plotly model view)
-      for (let k = 0; k < N * N; k++) if (model[base + k] * scale >= min) strong.push(k);
-      if (strong.length > 2 * N) strong.sort((a, b) => model[base + b] - model[base + a]).length = 2 * N;
-      for (const k of strong) {
-        const i = Math.floor(k / N), j = k % N, level = (model[base + k] * scale) / (d.model_max || 1);
-        const touches = focus !== null && (i === focus || j === focus);
-        g.strokeStyle = touches ? FOCUS : `rgba(${LINE.join(",")},${(0.15 + 0.85 * level) * (focus !== null ? 0.12 : 1)})`;
-        g.lineWidth = 0.5 + 1.5 * level;
-        g.beginPath();
-        g.moveTo(x0 + 4, y0 + (i + 0.5) * rowpx);
-        g.lineTo(x0 + cw - 4, y0 + (j + 0.5) * rowpx);
-        g.stroke();
+      const x0 = left + h * (cw + gapx), head = l * H + h;
+      const pairs = [];
+      for (let e = off[head]; e < off[head + 1]; e++) pairs.push(e);
+      const strong = pairs.length > 2 * N ? [...pairs].sort((a, b) => val[b] - val[a]).slice(0, 2 * N) : pairs;
+      for (const e of strong) {  // the 2N strongest pairs (as the plotly model view); focused: faded
+        const level = val[e] / 255, k = idx[e];
+        const touches = focus !== null && (Math.floor(k / N) === focus || k % N === focus);
+        line(x0, y0, k, touches ? FOCUS : `rgba(${LINE.join(",")},${(0.15 + 0.85 * level) * (focus !== null ? 0.12 : 1)})`, level);
       }
-      if (focus !== null) {  // every line the focused token sends and receives, over the rest
-        for (let m = 0; m < N; m++) {
-          for (const [i, j] of [[focus, m], [m, focus]]) {
-            const v = model[base + i * N + j] * scale;
-            if (!(v >= min)) continue;
-            g.strokeStyle = FOCUS;
-            g.lineWidth = 0.5 + 1.5 * (v / (d.model_max || 1));
-            g.beginPath();
-            g.moveTo(x0 + 4, y0 + (i + 0.5) * rowpx);
-            g.lineTo(x0 + cw - 4, y0 + (j + 0.5) * rowpx);
-            g.stroke();
-          }
-        }
+      if (focus !== null) {  // every pair the focused token sends and receives, over the rest
+        for (const e of pairs) if (Math.floor(idx[e] / N) === focus || idx[e] % N === focus) line(x0, y0, idx[e], FOCUS, val[e] / 255);
         g.fillStyle = FOCUS;
         g.fillRect(x0, y0 + focus * rowpx, 4, rowpx);
         g.fillRect(x0 + cw - 4, y0 + focus * rowpx, 4, rowpx);
@@ -510,7 +503,8 @@ export default function (component) {
     parentElement.appendChild(root);
   }
   const d = { ...data, grid: decode(data.grid, Float32Array), map: decode(data.map, Float32Array), strip: decode(data.strip, Float32Array),
-    strip_q: decode(data.strip_q, Uint16Array), strip_mass: decode(data.strip_mass, Float32Array), model: decode(data.model, Uint8Array) };
+    strip_q: decode(data.strip_q, Uint16Array), strip_mass: decode(data.strip_mass, Float32Array), model_idx: decode(data.model_idx, Uint16Array), model_val: decode(data.model_val, Uint8Array),
+    model_off: decode(data.model_off, Uint32Array) };
   root.attnlab = d;
   root.attnlabSend = (v) => setTriggerValue("focus", v);
   root.redraw = () => draw(root);
