@@ -176,3 +176,21 @@ def test_kernel_not_taken_without_gradients_or_when_large(monkeypatch):
     monkeypatch.setattr(nz.fused, "SMALL_SCORES", 0)
     attnlab.attend(q.requires_grad_(), k, v, "dnas").sum().backward()
     assert taken == [] and q.grad is not None
+
+
+def test_pytorch_path_without_kernels(monkeypatch):
+    """No kernels (not built, ATTNLAB_KERNELS=0), other dtypes or devices: train_forward declines and
+    the PyTorch code of the same function runs, with the float64 reference's gradients."""
+    q, k, v, masks, gen = _problem(6, torch.float32)
+    weights_g = torch.randn(*q.shape[:3], v.shape[-1], generator=gen, dtype=F64)
+    u = torch.full((1, 3, 1, 1), 0.4)
+    ref_out, ref_grads = _torch_path_float64(q, k, v, "hnas", masks["padding"], u, weights_g, monkeypatch)
+    monkeypatch.setattr(nz.kernel_paths, "cpu_ops", lambda: None)
+    assert nz.kernel_paths.train_forward(q, k, None, None, 0.5) is None
+    assert nz.kernel_paths.train_forward(q.half(), k.half(), None, None, 0.5) is None
+    taken = _counting(monkeypatch)
+    out, grads = _run(q, k, v, "hnas", masks["padding"], u, weights_g)
+    assert taken == [False]
+    torch.testing.assert_close(out.to(F64), ref_out, atol=3e-5, rtol=3e-5)
+    for got, ref in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got.to(F64), ref, atol=3e-5, rtol=3e-5)
