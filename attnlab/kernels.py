@@ -23,11 +23,12 @@ exponential per score, one value product per head; attnlab/normalizers/kernel_pa
 HELD_HEAD_BYTES), the first path of ``attend`` for these variants. ``attnlab/csrc/kernel_common.h``
 holds the helpers both files share.
 
-``attnlab/csrc/train_cpu.cpp``: ``train_dn_forward(s, u, p_u, p, e, scale)`` and
-``train_dn_backward(dp, p_d, p_u, e, u, grad_u, scale)``, the elementwise parts of the training-size
-DNAS / HNAS autograd function (attnlab/normalizers/fused.py, ``_SmallDoublyNormalized``): column
-log-sum-exp, row softmaxes and mix in one pass per head, and the softmax backwards with the column
-term in another; the matrix products stay torch's (:func:`attnlab.normalizers.kernel_paths.train_forward`).
+``attnlab/csrc/train_cpu.cpp``: ``train_dn_forward(q, k, v, mask, u, scale, out, p_d, p_u, e)`` and
+``train_dn_backward(g, q, k, v, p_d, p_u, e, u, scale, grad_q, grad_k, grad_v, grad_u)``, the forward
+and the backward of the training-size DNAS / HNAS autograd function (attnlab/normalizers/fused.py,
+``_SmallDoublyNormalized``), one task per head with its panels in cache: scores, column log-sum-exp,
+row softmaxes, mix and value product; then the softmax backwards with the column term and the
+gradient products (:func:`attnlab.normalizers.kernel_paths.train_forward`).
 
 ``attnlab/csrc/analysis_cpu.cpp``: ``torch.ops.attnlab_hf.head``, one head of ``attnlab.hf``'s fused
 analysis (every variant's weights and every row sum the statistics need in one sweep over the rows;

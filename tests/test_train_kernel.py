@@ -28,6 +28,7 @@ def _problem(seed, dtype, B=2, H=3, M=9, N=11, D=5):
     valid_q, valid_k = torch.ones(B, M, dtype=torch.bool), torch.ones(B, N, dtype=torch.bool)
     valid_q[0, -2:], valid_k[0, -3:] = False, False
     masks["padding"] = valid_q[:, None, :, None] & valid_k[:, None, None, :]  # as TransformerLM builds it
+    masks["queries"] = valid_q[:, None, :, None]  # (B, 1, M, 1)
     arbitrary = torch.rand(B, H, M, N, generator=gen) > 0.4
     arbitrary[..., 2, :] = False  # a query with no valid key
     arbitrary[..., :, 4] = False  # a key no query sees
@@ -70,7 +71,7 @@ def _torch_path_float64(q, k, v, variant, mask, u, weights_g, monkeypatch):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
-@pytest.mark.parametrize("mask_kind", ["none", "keys", "padding", "arbitrary"])
+@pytest.mark.parametrize("mask_kind", ["none", "keys", "padding", "queries", "arbitrary"])
 @pytest.mark.parametrize(("variant", "u_kind"), [("dnas", None), ("hnas", "per-head"), ("hnas", "heads-only"),
                                                  ("hnas", "float")])
 def test_kernel_path_equals_float64_pytorch_path(monkeypatch, dtype, mask_kind, variant, u_kind):
@@ -114,35 +115,45 @@ def test_kernel_path_gradcheck(monkeypatch, variant):
 
 @needs_kernels
 def test_forward_op_panels():
-    """train_dn_forward's outputs: p_d, p_u, the mix and e (e_i p_d_ij = the column softmax P_ij)."""
+    """train_dn_forward's outputs: out, p_d, p_u and e (e_i p_d_ij = the column softmax P_ij)."""
     gen = torch.Generator().manual_seed(3)
-    s = 3 * torch.randn(4, 7, 6, generator=gen, dtype=F64)
-    s[1, 3, :] = -math.inf  # an empty row
-    s[2, :, 5] = -math.inf  # an empty column
-    u = torch.rand(4, generator=gen, dtype=F64)
+    B, H, M, N = 2, 2, 7, 6
+    q, k, v = (torch.randn(B * H, L, 4, generator=gen, dtype=F64) for L in (M, N, N))
+    mask = torch.rand(B, H, M, N, generator=gen) > 0.2
+    mask[1, 0, 3, :] = False  # an empty row
+    mask[0, 1, :, 5] = False  # an empty column
+    u = torch.rand(B * H, generator=gen, dtype=F64)
     scale = 0.6
-    logits = s * scale
+    logits = (scale * q @ k.transpose(-1, -2)).masked_fill(~mask.view(B * H, M, N), -math.inf)
     c = torch.logsumexp(logits, -2, keepdim=True)
     c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
     col = torch.exp(logits - c)  # P
     p_d = torch.nan_to_num(col / col.sum(-1, keepdim=True))
     p_u = torch.nan_to_num(torch.softmax(logits, -1))
-    got_d, got_u, got_p, e = s.clone(), torch.empty_like(s), torch.empty_like(s), torch.empty(4, 7, dtype=F64)
-    assert ops.train_dn_forward(got_d, u, got_u, got_p, e, scale)
+    mix = torch.lerp(p_u, p_d, u.view(-1, 1, 1))
+    out, got_d, got_u, e = (torch.empty(B * H, M, 4, dtype=F64), torch.empty(B * H, M, N, dtype=F64),
+                            torch.empty(B * H, M, N, dtype=F64), torch.empty(B * H, M, dtype=F64))
+    assert ops.train_dn_forward(q, k, v, mask, u, scale, out, got_d, got_u, e)
     torch.testing.assert_close(got_d, p_d)
     torch.testing.assert_close(got_u, p_u)
-    torch.testing.assert_close(got_p, torch.lerp(p_u, p_d, u.view(4, 1, 1)))
+    torch.testing.assert_close(out, mix @ v)
     torch.testing.assert_close(e[..., None] * got_d, col)
-    assert torch.all(got_d[1, 3] == 0) and e[1, 3] == 0 and torch.all(got_d[2, :, 5] == 0)
-    # DNAS alone (no u, no p_u, no p); float32 agrees with the float64 panels
-    d32, e32 = s.float(), torch.empty(4, 7)
-    assert ops.train_dn_forward(d32, None, None, None, e32, scale)
-    torch.testing.assert_close(d32.double(), p_d, atol=1e-6, rtol=1e-5)
+    assert torch.all(got_d[2, 3] == 0) and e[2, 3] == 0 and torch.all(got_d[1, :, 5] == 0)
+    # DNAS alone (no u, no p_u), a key-only mask with stride 0 over heads and queries; float32
+    keys = mask[:, :1, :1, :].expand(B, H, M, N)
+    d32, o32, e32 = torch.empty(B * H, M, N), torch.empty(B * H, M, 4), torch.empty(B * H, M)
+    assert ops.train_dn_forward(q.float(), k.float(), v.float(), keys, None, scale, o32, d32, None, e32)
+    logits = (scale * q @ k.transpose(-1, -2)).masked_fill(~keys.reshape(B * H, M, N), -math.inf)
+    c = torch.logsumexp(logits, -2, keepdim=True)
+    ref = torch.softmax(logits - torch.where(torch.isfinite(c), c, torch.zeros_like(c)), -1)
+    assert not keys.all() and torch.isfinite(ref).all()
+    torch.testing.assert_close(d32.double(), ref, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(o32.double(), ref @ v, atol=1e-5, rtol=1e-5)
     # a NaN or +inf score: refused (the caller takes the PyTorch path)
     for bad in (math.nan, math.inf):
-        t = s.clone()
-        t[3, 0, 0] = bad
-        assert not ops.train_dn_forward(t, u, torch.empty_like(s), torch.empty_like(s), e, scale)
+        qb = q.clone()
+        qb[3, 0, :] = bad
+        assert not ops.train_dn_forward(qb, k, v, None, u, scale, out, got_d, got_u, e)
 
 
 @needs_kernels
@@ -186,8 +197,8 @@ def test_pytorch_path_without_kernels(monkeypatch):
     u = torch.full((1, 3, 1, 1), 0.4)
     ref_out, ref_grads = _torch_path_float64(q, k, v, "hnas", masks["padding"], u, weights_g, monkeypatch)
     monkeypatch.setattr(nz.kernel_paths, "cpu_ops", lambda: None)
-    assert nz.kernel_paths.train_forward(q, k, None, None, 0.5) is None
-    assert nz.kernel_paths.train_forward(q.half(), k.half(), None, None, 0.5) is None
+    assert nz.kernel_paths.train_forward(q, k, v, None, None, 0.5) is None
+    assert nz.kernel_paths.train_forward(q.half(), k.half(), v.half(), None, None, 0.5) is None
     taken = _counting(monkeypatch)
     out, grads = _run(q, k, v, "hnas", masks["padding"], u, weights_g)
     assert taken == [False]

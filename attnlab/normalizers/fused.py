@@ -104,9 +104,10 @@ class _SmallDoublyNormalized(torch.autograd.Function):
     pi_u with (1 - u); ds = ds_u + dl - P o colsum(dl) (c_j depends on column j); grad_q = scale ds k,
     grad_k = scale ds^T q, grad_v = pi^T g, grad_u = sum dpi o (pi_d - pi_u).
 
-    On CPU (float32/64, u one weight per (batch, head)) the elementwise parts of both passes are
-    attnlab's C++ kernels (kernel_paths.train_forward / train_backward: one sweep per head with its
-    panels in cache, P kept as row factors e_i, P = e_i pi_d); elsewhere the PyTorch code below.
+    On CPU (float32/64, u one weight per (batch, head)) each pass is one of attnlab's C++ kernels
+    (kernel_paths.train_forward / train_backward: one task per head, its panels in cache, the matrix
+    products by BLAS in the task, P kept as row factors e_i, P = e_i pi_d); elsewhere the PyTorch
+    code below.
     """
 
     @staticmethod
@@ -114,12 +115,12 @@ class _SmallDoublyNormalized(torch.autograd.Function):
         ctx.scale, ctx.hybrid = scale, hybrid
         ctx.u_float = None if isinstance(u, torch.Tensor) else float(u)
         u_t = u if isinstance(u, torch.Tensor) else None
-        panels = kp.train_forward(q, k, mask, u if hybrid else None, scale)
-        ctx.kernel = panels is not None
-        if panels is not None:
-            p_d, p_u, p, e, weights = panels
-            ctx.save_for_backward(q, k, v, u_t, p_d, p_u, p, e, weights)
-            return torch.matmul(p, v)
+        res = kp.train_forward(q, k, v, mask, u if hybrid else None, scale)
+        ctx.kernel = res is not None
+        if res is not None:
+            out, p_d, p_u, e, weights = res
+            ctx.save_for_backward(q, k, v, u_t, p_d, p_u, e, weights)
+            return out
         s = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)  # (B, H, M, N)
         if mask is not None:
             s.masked_fill_(~mask, NEG_INF)
@@ -158,11 +159,8 @@ class _SmallDoublyNormalized(torch.autograd.Function):
 
     @staticmethod
     def _kernel_backward(ctx, g):
-        q, k, v, u_t, p_d, p_u, p, e, weights = ctx.saved_tensors
-        grad_v = torch.matmul(p.transpose(-1, -2), g)
-        ds, grad_u_heads = kp.train_backward(g, v, p_d, p_u, e, weights, ctx.scale)  # ds scaled
-        grad_q = torch.matmul(ds, k)
-        grad_k = torch.matmul(ds.transpose(-1, -2), q)
+        q, k, v, u_t, p_d, p_u, e, weights = ctx.saved_tensors
+        grad_q, grad_k, grad_v, grad_u_heads = kp.train_backward(g, q, k, v, p_d, p_u, e, weights, ctx.scale)
         grad_u = None
         if u_t is not None and ctx.needs_input_grad[3]:
             grad_u = grad_u_heads.view(*q.shape[:2], 1, 1).sum_to_size(u_t.shape)  # (B, H, 1, 1) summed
