@@ -23,6 +23,13 @@ exponential per score, one value product per head; attnlab/normalizers/kernel_pa
 HELD_HEAD_BYTES), the first path of ``attend`` for these variants. ``attnlab/csrc/kernel_common.h``
 holds the helpers both files share.
 
+``attnlab/csrc/train_cpu.cpp``: ``train_dn_forward(q, k, v, mask, u, scale, out, p_d, p_u, e)`` and
+``train_dn_backward(g, q, k, v, p_d, p_u, e, u, scale, grad_q, grad_k, grad_v, grad_u)``, the forward
+and the backward of the training-size DNAS / HNAS autograd function (attnlab/normalizers/fused.py,
+``_SmallDoublyNormalized``), one task per head with its panels in cache: scores, column log-sum-exp,
+row softmaxes, mix and value product; then the softmax backwards with the column term and the
+gradient products (:func:`attnlab.normalizers.kernel_paths.train_forward`).
+
 ``attnlab/csrc/analysis_cpu.cpp``: ``torch.ops.attnlab_hf.head``, one head of ``attnlab.hf``'s fused
 analysis (every variant's weights and every row sum the statistics need in one sweep over the rows;
 :func:`analysis_ops`, used by ``attnlab/hf/weights.py``).
@@ -52,7 +59,8 @@ import torch
 __all__ = ["cpu_ops", "analysis_ops", "build_error", "available"]
 
 SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("attnlab_cpu.cpp", "held_cpu.cpp", "panel_cpu.cpp", "analysis_cpu.cpp")]
+           for name in ("attnlab_cpu.cpp", "held_cpu.cpp", "panel_cpu.cpp", "train_cpu.cpp",
+                        "analysis_cpu.cpp")]
 # -march=native: the kernels run where they are built. No -ffast-math: masked scores are -inf, so
 # only the flags that let sums and products be reordered and vectorized. -fopenmp: at::parallel_for
 # is OpenMP inside the extension too (without it the kernels run on one thread).

@@ -103,10 +103,24 @@ class _SmallDoublyNormalized(torch.autograd.Function):
     Backward, with dpi = g v^T: dl = pi_d o (u dpi - rowsum(u dpi o pi_d)), and likewise ds_u for
     pi_u with (1 - u); ds = ds_u + dl - P o colsum(dl) (c_j depends on column j); grad_q = scale ds k,
     grad_k = scale ds^T q, grad_v = pi^T g, grad_u = sum dpi o (pi_d - pi_u).
+
+    On CPU (float32/64, u one weight per (batch, head)) each pass is one of attnlab's C++ kernels
+    (kernel_paths.train_forward / train_backward: one task per head, its panels in cache, the matrix
+    products by BLAS in the task, P kept as row factors e_i, P = e_i pi_d); elsewhere the PyTorch
+    code below.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, u, mask, scale, hybrid):
+        ctx.scale, ctx.hybrid = scale, hybrid
+        ctx.u_float = None if isinstance(u, torch.Tensor) else float(u)
+        u_t = u if isinstance(u, torch.Tensor) else None
+        res = kp.train_forward(q, k, v, mask, u if hybrid else None, scale)
+        ctx.kernel = res is not None
+        if res is not None:
+            out, p_d, p_u, e, weights = res
+            ctx.save_for_backward(q, k, v, u_t, p_d, p_u, e, weights)
+            return out
         s = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)  # (B, H, M, N)
         if mask is not None:
             s.masked_fill_(~mask, NEG_INF)
@@ -115,14 +129,14 @@ class _SmallDoublyNormalized(torch.autograd.Function):
         p_d = row_softmax(s - c)
         p_u = row_softmax(s) if hybrid else None
         p = torch.lerp(p_u, p_d, u) if hybrid else p_d
-        ctx.save_for_backward(q, k, v, u if isinstance(u, torch.Tensor) else None, p_col, p_d, p_u, p)
-        ctx.scale, ctx.hybrid = scale, hybrid
-        ctx.u_float = None if isinstance(u, torch.Tensor) else float(u)
+        ctx.save_for_backward(q, k, v, u_t, p_col, p_d, p_u, p)
         return torch.matmul(p, v)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g):
+        if ctx.kernel:
+            return _SmallDoublyNormalized._kernel_backward(ctx, g)
         q, k, v, u_t, p_col, p_d, p_u, p = ctx.saved_tensors
         u = u_t if ctx.u_float is None else ctx.u_float
 
@@ -141,6 +155,15 @@ class _SmallDoublyNormalized(torch.autograd.Function):
         if u_t is not None and ctx.needs_input_grad[3]:
             grad_u = (dp * (p_d - p_u)).sum((-1, -2), keepdim=True)  # (B, H, 1, 1)
             grad_u = grad_u.sum_to_size(u_t.shape)
+        return grad_q, grad_k, grad_v, grad_u, None, None, None
+
+    @staticmethod
+    def _kernel_backward(ctx, g):
+        q, k, v, u_t, p_d, p_u, e, weights = ctx.saved_tensors
+        grad_q, grad_k, grad_v, grad_u_heads = kp.train_backward(g, q, k, v, p_d, p_u, e, weights, ctx.scale)
+        grad_u = None
+        if u_t is not None and ctx.needs_input_grad[3]:
+            grad_u = grad_u_heads.view(*q.shape[:2], 1, 1).sum_to_size(u_t.shape)  # (B, H, 1, 1) summed
         return grad_q, grad_k, grad_v, grad_u, None, None, None
 
 

@@ -192,3 +192,51 @@ def panel_kernel(q, k, v, mask, scale):
     key_bias, row_bias = separable_biases(q, k, mask)
     out = ops.panel_dnas(heads_flat(q), heads_flat(k), heads_flat(v), key_bias, row_bias, scale, PANEL_BYTES)
     return out.view(B, H, M, v.shape[-1])
+
+
+
+def train_forward(q, k, v, mask, u, scale):
+    """The forward of a training-size DNAS (u None) or HNAS problem through kernels.train_dn_forward:
+    per head, s = scale q k^T (masked entries -inf), the column log-sum-exp, the row softmaxes, the
+    mix and out = pi v in one task. Returns (out, p_d, p_u, e, weights): the output (B, H, M, Dv),
+    DNAS's and UNAS's weights (B, H, M, N) (p_u None for DNAS), the column-normalized row sums e
+    (B*H, M) (the column-normalized weights are e_i p_d_ij) and u per (batch, head) (B*H,) (None for
+    DNAS); or None where the kernel does not apply (not built, not CPU float32/64, empty heads or
+    values, u varying within a head) or a score is NaN / +inf (q k^T overflowed): then the PyTorch
+    path, with its NaN rule."""
+    if not flash_lse_available(q) or not kernel_shapes(q, k) or v.shape[-1] == 0:
+        return None
+    weights = None if u is None else head_weights(u, q)
+    if u is not None and weights is None:
+        return None
+    ops = cpu_ops()
+    if ops is None:
+        return None
+    B, H, M, _ = q.shape
+    N, Dv = k.shape[-2], v.shape[-1]
+    mask = None if mask is None else mask.expand(B, H, M, N)
+    out = q.new_empty(B, H, M, Dv)
+    p_d = q.new_empty(B, H, M, N)
+    p_u = None if u is None else torch.empty_like(p_d)
+    e = q.new_empty(B * H, M)
+    ok = ops.train_dn_forward(heads_flat(q), heads_flat(k), heads_flat(v), mask, weights, scale,
+                              out.view(B * H, M, Dv), p_d.view(B * H, M, N),
+                              None if p_u is None else p_u.view(B * H, M, N), e)
+    return (out, p_d, p_u, e, weights) if ok else None
+
+
+def train_backward(g, q, k, v, p_d, p_u, e, weights, scale):
+    """The gradients of :func:`train_forward`'s problem through kernels.train_dn_backward: per head,
+    dp = g v^T, the softmax backwards and the column term, and the gradient products in one task.
+    Returns grad_q, grad_k, grad_v (shaped as q, k, v) and, for HNAS, sum_ij dp_ij (p_d_ij - p_u_ij)
+    per (batch, head) (B*H,) (None for DNAS)."""
+    B, H, M, D = q.shape
+    N, Dv = k.shape[-2], v.shape[-1]
+    g = g.to(q.dtype).contiguous()
+    grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    grad_u = None if weights is None else q.new_empty(B * H)
+    cpu_ops().train_dn_backward(g.view(B * H, M, Dv), heads_flat(q), heads_flat(k), heads_flat(v),
+                                p_d.view(B * H, M, N), None if p_u is None else p_u.view(B * H, M, N), e,
+                                weights, scale, grad_q.view(B * H, M, D), grad_k.view(B * H, N, D),
+                                grad_v.view(B * H, N, Dv), grad_u)
+    return grad_q, grad_k, grad_v, grad_u
