@@ -344,7 +344,8 @@ function drawModelView(root, d, focus) {
   // the pairs >= min_weight of every head, sparse: head h's are model_idx / model_val[off[h] .. off[h + 1])
   // (index i * N + j, value weight / model_max * 255)
   const { n: N, layers: L, heads: H, tokens } = d, idx = d.model_idx, val = d.model_val, off = d.model_off;
-  const cw = 72, gapx = 10, left = 56, top = 22;
+  const left = 56, top = 22, gapx = 10;  // each head 72 px wide, narrower when the page is
+  const cw = Math.max(24, Math.min(72, ((root.clientWidth || 1000) - left) / H - gapx));
   const rowpx = Math.max(3, Math.min(8, 260 / N)), ch = rowpx * N, gapy = 3 * rowpx + 8;
   const [c, g] = canvas(root, "av-canvas", left + H * (cw + gapx), top + L * (ch + gapy));
   const line = (x0, y0, k, colour, level) => {
@@ -407,7 +408,8 @@ function drawModelView(root, d, focus) {
 // ---- grid ------------------------------------------------------------------------------------
 function drawGrid(root, d) {
   const { layers: L, heads: H, side_m: m, side_n: n, block: f, tokens } = d, g4 = d.grid;  // (L, H, m, n)
-  const cell = d.cell_px, gap = 6, left = 58, top = 20, bar = 70;
+  const gap = 6, left = 58, top = 20, bar = 70;  // maps of cell_px, narrower when the page is
+  const cell = Math.max(16, Math.min(d.cell_px, ((root.clientWidth || 1000) - left - bar) / H - gap));
   const [c, g] = canvas(root, "av-canvas", left + H * (cell + gap) + bar, top + L * (cell + gap));
   const zmax = d.zmax > 0 ? d.zmax : 1;
   const off = document.createElement("canvas");
@@ -518,7 +520,13 @@ export default function (component) {
     gr.seq = d.seq;
   }
   draw(root);
-  const resize = new ResizeObserver(() => d.kind === "heatmap" && draw(root));
+  let width = root.clientWidth;  // the maps and line views fit the page's width: redrawn when it changes
+  const resize = new ResizeObserver(() => {
+    if (root.clientWidth !== width && d.kind !== "token_mass" && d.kind !== "focus_bar") {
+      width = root.clientWidth;
+      draw(root);
+    }
+  });
   resize.observe(root);
   return () => {
     resize.disconnect();
