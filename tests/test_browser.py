@@ -248,14 +248,20 @@ def _focus(page, key: str):
     return page.evaluate(f"() => {VIEW(key)}.dataset.focus")
 
 
+def _open_inspect(p, url: str):
+    """A browser and a 1600x1000 page on Inspect, its run over and every view drawn."""
+    browser = _browser(p)
+    page = browser.new_page(viewport={"width": 1600, "height": 1000})
+    page.goto(url, wait_until="domcontentloaded")
+    _heatmap(page, "unas: layer 2, head 0")
+    _idle(page)
+    return browser, page
+
+
 def test_click_to_focus_and_reload_keep_the_view(server):
     url, _, _ = server
     with sync_api.sync_playwright() as p:
-        browser = _browser(p)
-        page = browser.new_page(viewport={"width": 1600, "height": 1000})
-        page.goto(url, wait_until="domcontentloaded")
-        _heatmap(page, "unas: layer 2, head 0")
-        _idle(page)
+        browser, page = _open_inspect(p, url)
         _set_text(page, TEXT)
         _heatmap(page, "unas: layer 2, head 0", "umbrella", 120)
         _idle(page)
@@ -327,11 +333,7 @@ def test_hover_names_positions_in_every_view(server):
     the head view had none. Each view's hover names positions and tokens (and the weight)."""
     url, _, _ = server
     with sync_api.sync_playwright() as p:
-        browser = _browser(p)
-        page = browser.new_page(viewport={"width": 1600, "height": 1000})
-        page.goto(url, wait_until="domcontentloaded")
-        _heatmap(page, "unas: layer 2, head 0")
-        _idle(page)
+        browser, page = _open_inspect(p, url)
         tip = _tooltip(page, "inspect_heatmap", *_point_view(page, "inspect_heatmap", 3, 1))
         assert "query 3: sat" in tip and "key 1: the" in tip and "weight 0." in tip, tip
         tip = _tooltip(page, "inspect_head_view", *_point_view(page, "inspect_head_view", 4))
@@ -360,11 +362,7 @@ def test_sidebar_survives_a_local_directory_in_the_browser(server):
     u 0.00 and 1 iteration, and MiniLM then said "Pick at least one variant." with no charts."""
     url, _, _ = server
     with sync_api.sync_playwright() as p:
-        browser = _browser(p)
-        page = browser.new_page(viewport={"width": 1600, "height": 1000})
-        page.goto(url, wait_until="domcontentloaded")
-        _heatmap(page, "unas: layer 2, head 0")
-        _idle(page)
+        browser, page = _open_inspect(p, url)
         sidebar = page.locator('[data-testid="stSidebar"]')
 
         def chips() -> list[str]:  # the variants shown as chosen in the sidebar's multiselect

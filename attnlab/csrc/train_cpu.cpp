@@ -57,6 +57,18 @@ struct TrainProblem {
   T scale;
 };
 
+// out[j] = exp(x[j] - m) for a row whose maximum is m (out may be x); returns their sum
+template <typename T>
+T exp_shifted(const T* x, T* out, int64_t N, T m) {
+  T sum = 0;
+  for (int64_t j = 0; j < N; ++j) {
+    const T y = exp_nonpos(x[j] - m);
+    out[j] = y;
+    sum += y;
+  }
+  return sum;
+}
+
 // masked entries of head bh's scores (M x N, row-major) -> -inf
 template <typename T>
 void apply_mask(const TrainProblem<T>& p, int64_t bh, T* s) {
@@ -128,23 +140,12 @@ bool train_forward_impl(const TrainProblem<T>& p, T* out, T* pd, T* pu, T* e) {
           continue;
         }
         if (pur) {
-          T lu = 0;
-          for (int64_t j = 0; j < N; ++j) {
-            const T y = exp_nonpos(row[j] - mu);
-            pur[j] = y;
-            lu += y;
-          }
-          const T inv = T(1) / lu;
+          const T inv = T(1) / exp_shifted(row, pur, N, mu);
           for (int64_t j = 0; j < N; ++j) pur[j] *= inv;
         }
         for (int64_t j = 0; j < N; ++j) row[j] -= cc[j];  // -inf stays -inf (c finite)
         const T md = row_max(row, N);
-        T ld = 0;
-        for (int64_t j = 0; j < N; ++j) {
-          const T x = exp_nonpos(row[j] - md);
-          row[j] = x;
-          ld += x;
-        }
+        const T ld = exp_shifted(row, row, N, md);  // in place
         const T inv = T(1) / ld;
         e[bh * M + i] = ld * std::exp(md);
         if (mr) {

@@ -156,6 +156,16 @@ def sinkhorn_heads_kernel(q, k, v, mask, scale, ctx):
     return out.view(B, H, M, v.shape[-1])
 
 
+
+def _ops_and_weights(u, q):
+    """(the CPU kernels, u as one weight per (batch, head) or None) or None: not built, or u not one
+    weight per head."""
+    weights = None if u is None else head_weights(u, q)
+    if u is not None and weights is None:
+        return None
+    ops = cpu_ops()
+    return None if ops is None else (ops, weights)
+
 def held_kernel(q, k, v, mask, scale, u=None, iters: int = 1):
     """DNAS (u None, iters 1), HNAS (u, one weight per (batch, head) or a number) or Sinkhorn (iters
     rounds) attention through kernels.held_attend: each head's scores computed once and held (one
@@ -167,12 +177,10 @@ def held_kernel(q, k, v, mask, scale, u=None, iters: int = 1):
     N = k.shape[-2]
     if M * N * q.element_size() > HELD_HEAD_BYTES:
         return None
-    weights = None if u is None else head_weights(u, q)
-    if u is not None and weights is None:
+    found = _ops_and_weights(u, q)
+    if found is None:
         return None
-    ops = cpu_ops()
-    if ops is None:
-        return None
+    ops, weights = found
     key_bias, row_bias = separable_biases(q, k, mask)
     out = ops.held_attend(heads_flat(q), heads_flat(k), heads_flat(v), key_bias, row_bias, weights, iters,
                           scale, HELD_HEAD_BYTES)
@@ -206,12 +214,10 @@ def train_forward(q, k, v, mask, u, scale):
     path, with its NaN rule."""
     if not flash_lse_available(q) or not kernel_shapes(q, k) or v.shape[-1] == 0:
         return None
-    weights = None if u is None else head_weights(u, q)
-    if u is not None and weights is None:
+    found = _ops_and_weights(u, q)
+    if found is None:
         return None
-    ops = cpu_ops()
-    if ops is None:
-        return None
+    ops, weights = found
     B, H, M, _ = q.shape
     N, Dv = k.shape[-2], v.shape[-1]
     mask = None if mask is None else mask.expand(B, H, M, N)
