@@ -41,6 +41,21 @@ inline float sum_of(const Vec& v) {
   return s;
 }
 
+// Cephes' logf polynomial P(f), ln(1 + f) = f - f^2 / 2 + f^3 P(f) for f in [1/sqrt2 - 1, sqrt2 - 1]:
+// the one copy fast_log (both widths) and vlog1p_small evaluate (fmadd = the ISA's fused multiply-add)
+inline Vec log_poly(const Vec& f) {
+  Vec p(7.0376836292e-2f);
+  p = at::vec::fmadd(p, f, Vec(-1.1514610310e-1f));
+  p = at::vec::fmadd(p, f, Vec(1.1676998740e-1f));
+  p = at::vec::fmadd(p, f, Vec(-1.2420140846e-1f));
+  p = at::vec::fmadd(p, f, Vec(1.4249322787e-1f));
+  p = at::vec::fmadd(p, f, Vec(-1.6668057665e-1f));
+  p = at::vec::fmadd(p, f, Vec(2.0000714765e-1f));
+  p = at::vec::fmadd(p, f, Vec(-2.4999993993e-1f));
+  p = at::vec::fmadd(p, f, Vec(3.3333331174e-1f));
+  return p;
+}
+
 #if defined(CPU_CAPABILITY_AVX512)
 // ln x for x > 0, ~2 ulp: x = 2^e m with m in [1/sqrt2, sqrt2), ln(1 + f) by Cephes' logf polynomial.
 // x = 0 gives NaN (callers take max(ln x, ln tiny) with _mm512_max_ps, which returns its second
@@ -48,15 +63,7 @@ inline float sum_of(const Vec& v) {
 inline __m512 fast_log(__m512 x) {
   const __m512 e = _mm512_getexp_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.41421356f)));  // floor(log2(x sqrt2))
   const __m512 f = _mm512_sub_ps(_mm512_scalef_ps(x, _mm512_sub_ps(_mm512_setzero_ps(), e)), _mm512_set1_ps(1.f));
-  __m512 p = _mm512_set1_ps(7.0376836292e-2f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(-1.1514610310e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.1676998740e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(-1.2420140846e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.4249322787e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(-1.6668057665e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.0000714765e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(-2.4999993993e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(3.3333331174e-1f));
+  const __m512 p = static_cast<__m512>(log_poly(Vec(f)));
   const __m512 z = _mm512_mul_ps(f, f);
   __m512 y = _mm512_mul_ps(_mm512_mul_ps(p, f), z);
   y = _mm512_fmadd_ps(e, _mm512_set1_ps(-2.12194440e-4f), y);
@@ -98,15 +105,7 @@ inline __m256 fast_log(__m256 x) {
   m = _mm256_blendv_ps(m, _mm256_mul_ps(m, _mm256_set1_ps(0.5f)), big);
   e = _mm256_add_ps(e, _mm256_and_ps(big, _mm256_set1_ps(1.f)));
   const __m256 f = _mm256_sub_ps(m, _mm256_set1_ps(1.f));
-  __m256 p = _mm256_set1_ps(7.0376836292e-2f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(-1.1514610310e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.1676998740e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(-1.2420140846e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.4249322787e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(-1.6668057665e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.0000714765e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(-2.4999993993e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(3.3333331174e-1f));
+  const __m256 p = static_cast<__m256>(log_poly(Vec(f)));
   const __m256 z = _mm256_mul_ps(f, f);
   __m256 y = _mm256_mul_ps(_mm256_mul_ps(p, f), z);
   y = _mm256_fmadd_ps(e, _mm256_set1_ps(-2.12194440e-4f), y);
@@ -168,15 +167,7 @@ inline Vec vrecip(const Vec& t) {
 // ln(1 + f) for f in [1/sqrt2 - 1, sqrt2 - 1] by the polynomial of fast_log with no exponent, from f
 // itself (not from 1 + f rounded: with -fassociative-math no rounding correction survives).
 inline Vec vlog1p_small(const Vec& f) {
-  Vec p(7.0376836292e-2f);
-  p = at::vec::fmadd(p, f, Vec(-1.1514610310e-1f));
-  p = at::vec::fmadd(p, f, Vec(1.1676998740e-1f));
-  p = at::vec::fmadd(p, f, Vec(-1.2420140846e-1f));
-  p = at::vec::fmadd(p, f, Vec(1.4249322787e-1f));
-  p = at::vec::fmadd(p, f, Vec(-1.6668057665e-1f));
-  p = at::vec::fmadd(p, f, Vec(2.0000714765e-1f));
-  p = at::vec::fmadd(p, f, Vec(-2.4999993993e-1f));
-  p = at::vec::fmadd(p, f, Vec(3.3333331174e-1f));
+  const Vec p = log_poly(f);
   const Vec z = f * f;
   return f + at::vec::fmadd(Vec(-0.5f), z, p * f * z);
 }

@@ -289,15 +289,10 @@ void held_impl(const HeldProblem<T>& p, int64_t budget_elems) {
 at::Tensor held_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const c10::optional<at::Tensor>& key_bias, const c10::optional<at::Tensor>& row_bias,
                        const c10::optional<at::Tensor>& u, int64_t iters, double scale, int64_t budget_bytes) {
-  check_3d(q, "q");
-  check_3d(k, "k");
-  check_3d(v, "v");
+  const QKVSizes z = check_qkv(q, k, v);
+  const int64_t BH = z.BH, M = z.M, N = z.N, D = z.D, Dv = z.Dv;
   TORCH_CHECK(iters >= 1, "iters must be >= 1");
   TORCH_CHECK(!u.has_value() || iters == 1, "u (HNAS) needs iters = 1");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(),
-              "q, k, v must have one dtype");
-  const int64_t BH = q.size(0), M = q.size(1), N = k.size(1), D = q.size(2), Dv = v.size(2);
-  TORCH_CHECK(k.size(0) == BH && v.size(0) == BH && v.size(1) == N && k.size(2) == D, "shapes of q, k, v differ");
   auto out = at::empty({BH, M, Dv}, q.options());
   if (BH == 0 || M == 0 || N == 0) return out.zero_();
   const at::Tensor kb = operand(key_bias, q.scalar_type()), rb = operand(row_bias, q.scalar_type()),

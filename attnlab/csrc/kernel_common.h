@@ -133,4 +133,21 @@ void check_3d(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1, name, " must be (BH, L, D) with a contiguous last dim");
 }
 
+// Sizes of q (BH, M, D), k (BH, N, D), v (BH, N, Dv), checked: 3-d with a contiguous last dim, one
+// dtype, matching sizes (the held and panel kernels' operands).
+struct QKVSizes {
+  int64_t BH, M, N, D, Dv;
+};
+QKVSizes check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  check_3d(q, "q");
+  check_3d(k, "k");
+  check_3d(v, "v");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(),
+              "q, k, v must have one dtype");
+  const QKVSizes z{q.size(0), q.size(1), k.size(1), q.size(2), v.size(2)};
+  TORCH_CHECK(k.size(0) == z.BH && v.size(0) == z.BH && v.size(1) == z.N && k.size(2) == z.D,
+              "shapes of q, k, v differ");
+  return z;
+}
+
 }  // namespace
