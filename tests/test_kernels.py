@@ -110,6 +110,19 @@ def test_mix_attend_underflow_row_is_recomputed():
 # ---------------------------------------------------------------------------------------------
 
 
+def _spy(monkeypatch, name):
+    """Wraps kernel_paths.<name>; the list records, per call, whether the kernel gave a result."""
+    calls, real = [], getattr(nz.kernel_paths, name)
+
+    def spy(*args):
+        out = real(*args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(nz.kernel_paths, name, spy)
+    return calls
+
+
 def _masks(B, H, M, N, gen):
     return {
         "none": None,
@@ -377,6 +390,56 @@ def test_panel_dnas_underflow_rows_are_recomputed():
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("panel", [0, 2**30])  # 16-key chunks, loose and tight ones; one chunk per head
+def test_panel_dnas_loose_column_bounds_are_redone_exactly(dtype, panel):
+    """panel_dnas shifts each column by a bound b_j >= max_i s_ij taken from the norms of q and k. Query
+    0 = 100 e_1 makes that bound loose (> 10 nats above the column's log-sum-exp) for every key not
+    along e_1, and those chunks are redone with their exact maxima; keys along e_1 keep tight bounds.
+    Both kinds, mixed in chunks or not, with a key mask, give the float64 reference."""
+    gen = torch.Generator().manual_seed(11)
+    BH, M, N, D = 2, 50, 300, 8
+    q = torch.randn(BH, M, D, generator=gen, dtype=torch.float64)
+    q[:, 0] = 0
+    q[:, 0, 0] = 100
+    k = torch.randn(BH, N, D, generator=gen, dtype=torch.float64)
+    along = torch.rand(N, generator=gen) < 0.5
+    k[:, along] = 0
+    k[:, along, 0] = 0.5 + torch.rand(int(along.sum()), generator=gen, dtype=torch.float64)
+    v = torch.randn(BH, N, 5, generator=gen, dtype=torch.float64)
+    key_ok = torch.rand(BH, N, generator=gen) > 0.1
+    key_bias = torch.zeros(BH, N, dtype=dtype).masked_fill(~key_ok, float("-inf"))
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    tol = dict(atol=3e-5, rtol=3e-5) if dtype == torch.float32 else dict(atol=1e-11, rtol=1e-11)
+    rows = torch.ones(BH, M, dtype=torch.bool)
+    got = ops.panel_dnas(q, k, v, key_bias, None, 0.35, panel)
+    torch.testing.assert_close(got.double(), _held_reference(q, k, v, key_ok, rows, "dnas", 0.35), **tol)
+    got = ops.panel_dnas(q, k, v, None, None, 0.35, panel)
+    keys = torch.ones(BH, N, dtype=torch.bool)
+    torch.testing.assert_close(got.double(), _held_reference(q, k, v, keys, rows, "dnas", 0.35), **tol)
+
+
+@needs_kernels
+def test_panel_dnas_queries_with_a_large_common_part():
+    """Queries 30 e_2 + noise (the shared direction real models' queries often have): the bound from the
+    queries' mean stays tight, and the result is the float64 reference's, also with invalid queries
+    (left out of the mean) that are far from the rest."""
+    gen = torch.Generator().manual_seed(12)
+    BH, M, N, D = 3, 120, 200, 16
+    q = torch.randn(BH, M, D, generator=gen)
+    q[..., 1] += 30
+    q[:, :10] = -500  # invalid rows: masked below
+    k, v = torch.randn(BH, N, D, generator=gen), torch.randn(BH, N, 7, generator=gen)
+    row_ok = torch.ones(BH, M, dtype=torch.bool)
+    row_ok[:, :10] = False
+    row_bias = torch.zeros(BH, M).masked_fill(~row_ok, float("-inf"))
+    got = ops.panel_dnas(q, k, v, None, row_bias, 0.25, 64 * 120 * 4)
+    ref = _held_reference(q, k, v, torch.ones(BH, N, dtype=torch.bool), row_ok, "dnas", 0.25)
+    torch.testing.assert_close(got.double(), ref, atol=3e-5, rtol=3e-5)
+    assert torch.all(got[~row_ok] == 0)
+
+
+@needs_kernels
 @pytest.mark.parametrize("mask_kind", ["none", "keys", "queries"])
 def test_dnas_attend_takes_the_panel_kernel(monkeypatch, mask_kind):
     """attend's DNAS (and Sinkhorn(1)) without gradients goes through panel_dnas, and gives what the
@@ -384,21 +447,95 @@ def test_dnas_attend_takes_the_panel_kernel(monkeypatch, mask_kind):
     B, H, M, N = 2, 3, 150, 190
     q, k, v = _qkv(9, B, H, M, N, 16, 8)
     mask = _masks(B, H, M, N, torch.Generator().manual_seed(4))[mask_kind]
-    calls = []
-    real = nz.kernel_paths.panel_kernel
-    monkeypatch.setattr(nz.kernel_paths, "panel_kernel", lambda *a: calls.append(1) or real(*a))
-    held_calls = []
-    real_held = nz.kernel_paths.held_kernel
-    monkeypatch.setattr(nz.kernel_paths, "held_kernel", lambda *a: held_calls.append(1) or real_held(*a))
+    calls, held_calls = _spy(monkeypatch, "panel_kernel"), _spy(monkeypatch, "held_kernel")
     with torch.no_grad():
         fast = attnlab.attend(q, k, v, "dnas", mask=mask)
         one = attnlab.attend(q, k, v, "sinkhorn", mask=mask, iters=1)
         assert len(calls) == 2
         monkeypatch.setattr(nz.kernel_paths, "PANEL_BYTES", 0)  # the panels' off switch
         held = attnlab.attend(q, k, v, "dnas", mask=mask)
-        assert len(calls) == 3 and held_calls == [1]  # the panels declined, held_attend ran
+        assert calls[2:] == [False] and held_calls == [True]  # the panels declined, held_attend ran
         monkeypatch.setattr(kernels, "cpu_ops", lambda: None)
         slow = attnlab.attend(q, k, v, "dnas", mask=mask)
     torch.testing.assert_close(fast, one, atol=0, rtol=0)
     torch.testing.assert_close(fast, held, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(fast, slow, atol=2e-5, rtol=2e-5)
+
+
+def _causal_reference(q, k, v, key_ok, row_ok, scale):
+    """The materialized float64 causal DNAS (prefix column normalizer) @ v on (BH, M, N) problems."""
+    mask = (row_ok[:, :, None] & key_ok[:, None, :])[None]  # (1, BH, M, N)
+    s = (q.double() @ k.double().transpose(1, 2) * scale)[None]
+    w = attnlab.attention_weights(s, "dnas", mask=mask, causal=True)
+    return (w @ v.double()[None])[0]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("BH", "M", "N"), [
+    (3, 300, 300),  # fewer heads than threads x 4: the keys split in parts of equal work
+    (12, 140, 600),  # heads whole to threads; key chunks of 512 and a last one of 88
+    (2, 300, 100),  # M > N: the last rows see every key
+    (2, 50, 700),  # M < N: keys beyond the last query are never seen
+    (1, 1, 1),
+])
+def test_causal_dnas_equals_float64_reference(dtype, BH, M, N):
+    """causal_dnas (one pass, each column's prefix maximum and sum carried down the rows) against the
+    float64 materialized causal DNAS, with invalid keys and queries and a head with every key masked,
+    unmasked, and on strided views."""
+    q, k, v, key_ok, row_ok, key_bias, row_bias = _masked_problem(M * N + 7, dtype, BH, M, N)
+    tol = dict(atol=3e-5, rtol=3e-5) if dtype == torch.float32 else dict(atol=1e-11, rtol=1e-11)
+    got, redo = ops.causal_dnas(q, k, v, key_bias, row_bias, 0.35, nz.functions.LSE_FLOOR)
+    torch.testing.assert_close(got.double(), _causal_reference(q, k, v, key_ok, row_ok, 0.35), **tol)
+    assert not redo.any() and torch.all(got[-1] == 0) and torch.all(got[~row_ok] == 0)
+    everything = torch.ones(BH, N, dtype=torch.bool), torch.ones(BH, M, dtype=torch.bool)
+    got, redo = ops.causal_dnas(q, k, v, None, None, 0.35, nz.functions.LSE_FLOOR)
+    torch.testing.assert_close(got.double(), _causal_reference(q, k, v, *everything, 0.35), **tol)
+    qv, kv, vv = (torch.cat([t, t], -1)[..., : t.shape[-1]] for t in (q, k, v))
+    again, _ = ops.causal_dnas(qv, kv, vv, None, None, 0.35, nz.functions.LSE_FLOOR)
+    torch.testing.assert_close(again, got, atol=0, rtol=0)
+
+
+@needs_kernels
+def test_causal_dnas_underflowed_rows_are_redone_exactly():
+    """Query 0 scores 100 with key 0, query 1 scores 0 with it and key 1 is masked: query 1's one weight,
+    exp(0 - logaddexp(100, 0)), underflows in float32, the kernel flags the head, and attend gives the
+    exact result (query 1 takes v_0) through the blocked path."""
+    q = torch.tensor([[[100.0, 0.0], [0.0, 0.0], [1.0, 1.0]]])  # (1, 3, 2)
+    k = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]])
+    v = torch.randn(1, 3, 4, generator=torch.Generator().manual_seed(3))
+    key_ok = torch.tensor([[True, False, True]])
+    key_bias = torch.zeros(1, 3).masked_fill(~key_ok, float("-inf"))
+    _, redo = ops.causal_dnas(q, k, v, key_bias, None, 1.0, nz.functions.LSE_FLOOR)
+    assert redo.tolist() == [True]
+    with torch.no_grad():
+        got = attnlab.attend(q[None], k[None], v[None], "dnas", mask=key_ok[:, None, None, :], causal=True,
+                             scale=1.0)[0]
+    ref = _causal_reference(q, k, v, key_ok, torch.ones(1, 3, dtype=torch.bool), 1.0)
+    torch.testing.assert_close(got.double(), ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got[0, 1], v[0, 0])
+
+
+@needs_kernels
+@pytest.mark.parametrize("mask_kind", ["none", "keys", "queries"])
+def test_causal_dnas_attend_takes_the_kernel(monkeypatch, mask_kind):
+    """attend's causal DNAS (and causal Sinkhorn, iters = 1) without gradients goes through
+    causal_dnas, and gives what the blocked PyTorch path gives; with gradients it takes that path."""
+    B, H, M, N = 2, 3, 150, 150
+    q, k, v = _qkv(19, B, H, M, N, 16, 8)
+    mask = _masks(B, H, M, N, torch.Generator().manual_seed(4))[mask_kind]
+    calls = _spy(monkeypatch, "causal_kernel")
+    with torch.no_grad():
+        fast = attnlab.attend(q, k, v, "dnas", mask=mask, causal=True)
+        sink = attnlab.attend(q, k, v, "sinkhorn", mask=mask, causal=True, iters=1)
+    assert calls == [True, True]
+    qg = q.clone().requires_grad_()
+    graded = attnlab.attend(qg, k, v, "dnas", mask=mask, causal=True)
+    graded.sum().backward()
+    assert calls[2:] == [False] and torch.isfinite(qg.grad).all()
+    monkeypatch.setattr(kernels, "cpu_ops", lambda: None)
+    with torch.no_grad():
+        slow = attnlab.attend(q, k, v, "dnas", mask=mask, causal=True)
+    torch.testing.assert_close(fast, sink, atol=0, rtol=0)
+    torch.testing.assert_close(fast, slow, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(graded.detach(), slow, atol=2e-5, rtol=2e-5)

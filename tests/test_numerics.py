@@ -171,3 +171,25 @@ def test_fused_float32_error_is_bounded_by_the_scores_rounding(variant):
             got = attnlab.attend(q, k, v, variant, scale=scale).double()
         bound = 1e-6 * float(s64.abs().max()) * float(v.abs().max()) + 1e-6
         assert float((got - ref).abs().max()) <= bound, (variant, scale)
+
+
+def test_all_finite_routes_every_non_finite_input_to_the_exact_path():
+    """all_finite (the fast paths' gate: a sum per tensor) says False for NaN, +inf or -inf anywhere,
+    True for finite tensors (also empty ones, views and half precision whose float16 sum would
+    overflow) and skips None; a float32 sum that overflows from finite entries also says False, which
+    only sends the call to the exact path."""
+    from attnlab.normalizers.lse import all_finite
+
+    x = torch.randn(3, 4, 50, 8)
+    assert all_finite(x, None, x[..., ::2], x.transpose(-1, -2))
+    assert all_finite(torch.empty(0, 3))
+    for bad in (math.nan, math.inf, -math.inf):
+        for where in ((0, 0, 0, 0), (2, 3, 49, 7), (1, 2, 17, 3)):
+            y = x.clone()
+            y[where] = bad
+            assert not all_finite(y) and not all_finite(x, y) and not all_finite(y.transpose(-1, -2))
+    half = torch.full((4000,), 60000.0, dtype=torch.float16)  # finite; its float16 sum is inf
+    assert all_finite(half) and all_finite(half.bfloat16())
+    half[123] = math.nan
+    assert not all_finite(half)
+    assert not all_finite(torch.full((10,), 3e38))  # finite entries, overflowing sum: the exact path

@@ -10,16 +10,18 @@
 //       queries and rows with no valid key give 0. panel_bytes bounds one thread's M x C panel
 //       (C >= 16 whatever it says).
 //
-// Per column chunk J (C keys) of a head, cut into tiles of R rows (R C elements, in L2):
-//   pass 1, per tile t: s = scale q k_J^T + key_bias, m_tj = max over the tile's valid rows,
-//       x_ij = exp(s_ij - m_tj) kept in the panel, z_tj = sum_{i in t} x_ij;
-//   c_j = logsumexp_i s_ij = log sum_t z_tj exp(m_tj - m*) + m* (Eq. 5's column normalizer);
-//   pass 2, per tile t: f_tj = exp(m_tj - c_j) <= 1, so x_ij f_tj = exp(s_ij - c_j) = P_ij, DNAS's
-//       column-normalized weight: acc_i += sum_j x_ij (f_tj v_j) by BLAS, r_i += sum_j x_ij f_tj.
-// Finally out_i = acc_i / r_i (Eq. 5's row normalization: pi_ij = P_ij / sum_j P_ij). A row with
-// r_i below kTiny (its mass lies > ~46 nats below every column's log-sum-exp) is recomputed from its
-// scores exactly (rare). Heads go to threads whole; with fewer heads than threads x 4 a head's chunks
-// are split in parts with their own accumulators, summed at the end.
+// Per head, before any score: b_j >= max_i s_ij from the norms of q and k (column_bounds). Per
+// column chunk J (C keys), by tiles of R rows (R C elements, in L2):
+//   pass 1: s = scale q k_J^T + key_bias, x_ij = exp(s_ij - b_j) <= 1 kept in the panel, z_j = sum_i x_ij,
+//       so c_j = logsumexp_i s_ij = b_j + log z_j (Eq. 5's column normalizer) and
+//       P_ij = exp(s_ij - c_j) = x_ij / z_j, DNAS's column-normalized weight;
+//   pass 2: acc_i += sum_j x_ij (v_j / z_j) by BLAS, r_i += sum_j x_ij / z_j.
+// A chunk where some column's bound is loose (z_j < e^-10: b_j more than 10 nats above c_j, where
+// exp(s - b_j) would lose entries that matter) is redone exactly with the maxima of its tiles
+// (accumulate_exact). Finally out_i = acc_i / r_i (Eq. 5's row normalization: pi_ij = P_ij / sum_j
+// P_ij). A row with r_i below kTiny (its mass lies > ~46 nats below every column's log-sum-exp) is
+// recomputed from its scores exactly (rare). Heads go to threads whole; with fewer heads than
+// threads x 4 a head's chunks are split in parts with their own accumulators, summed at the end.
 #include "kernel_common.h"
 
 namespace {
@@ -28,6 +30,8 @@ namespace {
 // the 2-core Zen 3 machine under load (CPU time, S = 2048): 2^14 / 2^15 / 2^16 / 2^17 gave
 // 1.0-1.7 / 1.32-1.38 / 1.20-1.21 / 1.25-1.28x SDPA.
 constexpr int64_t kTileElems = 1 << 16;
+// Rows of one value product in pass 2 (R2 x C of the panel): fewer, larger BLAS calls than the tiles.
+constexpr int64_t kValueRows = 1024;
 
 template <typename T>
 struct PanelProblem {
@@ -45,10 +49,30 @@ struct PanelScratch {
       : panel(M * C), m(nt * C), z(nt * C), f(C), vf(C * Dv), cm(C), total(C) {}
 };
 
-// Accumulates acc (M x Dv) and r (M) over the column chunks of [ja, jb) of head bh, writing the
-// columns' log-sum-exp into c (N, this head's).
+// vf (cw x Dv) = diag(f) v_J: the values of a chunk scaled by the columns' factors.
 template <typename T>
-void accumulate(const PanelProblem<T>& p, int64_t bh, int64_t ja, int64_t jb, int64_t C, int64_t R,
+void scale_values(const T* f, const T* vJ, int64_t sv_n, int64_t cw, int64_t Dv, T* vf) {
+  for (int64_t j = 0; j < cw; ++j)
+    for (int64_t d = 0; d < Dv; ++d) vf[j * Dv + d] = f[j] * vJ[j * sv_n + d];
+}
+
+// acc (ni x Dv) += x (ni x cw) vf by BLAS, r (ni) += x f: pass 2 on ni rows of the panel.
+template <typename T>
+void add_products(const T* x, int64_t ni, int64_t cw, const T* f, const T* vf, int64_t Dv, T* acc, T* r) {
+  gemm_ab(ni, Dv, cw, x, cw, vf, Dv, acc, Dv, T(1));
+  for (int64_t i = 0; i < ni; ++i) {
+    const T* row = x + i * cw;
+    T s = 0;
+    for (int64_t j = 0; j < cw; ++j) s += row[j] * f[j];
+    r[i] += s;
+  }
+}
+
+// accumulate's exact form: each tile shifted by its own column maxima m_tj (one more sweep over the
+// tile, and v scaled per tile by f_tj = exp(m_tj - c_j)). Accumulates acc (M x Dv) and r (M) over the
+// column chunks of [ja, jb) of head bh, writing the columns' log-sum-exp into c (N, this head's).
+template <typename T>
+void accumulate_exact(const PanelProblem<T>& p, int64_t bh, int64_t ja, int64_t jb, int64_t C, int64_t R,
                 const char* row_ok, T* acc, T* r, T* c, PanelScratch<T>& w) {
   const T ninf = -std::numeric_limits<T>::infinity();
   const int64_t M = p.M, Dv = p.Dv, nt = (M + R - 1) / R;
@@ -115,21 +139,123 @@ void accumulate(const PanelProblem<T>& p, int64_t bh, int64_t ja, int64_t jb, in
         any = any || m[j] != ninf;
       }
       if (!any) continue;
-      T* vf = w.vf.data();
-      for (int64_t j = 0; j < cw; ++j) {
-        const T* vj = v + (j0 + j) * p.sv_n;
-        const T fj = f[j];
-        for (int64_t d = 0; d < Dv; ++d) vf[j * Dv + d] = fj * vj[d];
-      }
-      const T* x = w.panel.data() + i0 * cw;
-      gemm_ab(ni, Dv, cw, x, cw, vf, Dv, acc + i0 * Dv, Dv, T(1));
+      scale_values(f, v + j0 * p.sv_n, p.sv_n, cw, Dv, w.vf.data());
+      add_products(w.panel.data() + i0 * cw, ni, cw, f, w.vf.data(), Dv, acc + i0 * Dv, r + i0);
+    }
+  }
+}
+
+// b_j >= max over the valid rows i of s_ij = scale q_i.k_j + kb_j, before any score:
+// scale (mu.k_j) + |scale| rho |k_j| with mu the valid rows' mean and rho = max_i |q_i - mu| (tight
+// when the queries share a large common part), or |scale| max_i |q_i| |k_j| where that is smaller
+// (Cauchy-Schwarz both); -inf for a masked column and for every column when no row is valid.
+template <typename T>
+void column_bounds(const PanelProblem<T>& p, int64_t bh, const char* row_ok, T* bnd) {
+  const T ninf = -std::numeric_limits<T>::infinity();
+  const int64_t M = p.M, N = p.N, D = p.D;
+  const T* q = p.q + bh * p.sq_bh;
+  const T* k = p.k + bh * p.sk_bh;
+  std::vector<double> sum(D, 0.0);
+  int64_t valid = 0;
+  for (int64_t i = 0; i < M; ++i) {
+    if (!row_ok[i]) continue;
+    ++valid;
+    for (int64_t d = 0; d < D; ++d) sum[d] += q[i * p.sq_m + d];
+  }
+  if (valid == 0) {
+    std::fill(bnd, bnd + N, ninf);
+    return;
+  }
+  std::vector<T> mu(D);
+  for (int64_t d = 0; d < D; ++d) mu[d] = (T)(sum[d] / (double)valid);
+  T rho2 = 0, qn2 = 0;
+  for (int64_t i = 0; i < M; ++i) {
+    if (!row_ok[i]) continue;
+    T a = 0, b = 0;
+    for (int64_t d = 0; d < D; ++d) {
+      const T x = q[i * p.sq_m + d], y = x - mu[d];
+      a += y * y;
+      b += x * x;
+    }
+    rho2 = a > rho2 ? a : rho2;
+    qn2 = b > qn2 ? b : qn2;
+  }
+  // slack for the rounding of the score products and of the bound itself
+  const T as = std::abs(p.scale), rho = std::sqrt(rho2) * T(1.0001), qn = std::sqrt(qn2) * T(1.0001);
+  for (int64_t j = 0; j < N; ++j) {
+    const T* kj = k + j * p.sk_n;
+    T dot = 0, kn2 = 0;
+    for (int64_t d = 0; d < D; ++d) {
+      dot += mu[d] * kj[d];
+      kn2 += kj[d] * kj[d];
+    }
+    const T kn = std::sqrt(kn2), b = std::min(p.scale * dot + as * rho * kn, as * qn * kn);
+    bnd[j] = p.kb && p.kb[bh * N + j] == ninf ? ninf : (p.kb ? b + p.kb[bh * N + j] : b);
+  }
+}
+
+// Accumulates acc (M x Dv) and r (M) over the column chunks of [ja, jb) of head bh with the column
+// bounds bnd (N, this head's), writing the columns' log-sum-exp into c (N, this head's); a chunk
+// with a loose bound goes to accumulate_exact.
+template <typename T>
+void accumulate(const PanelProblem<T>& p, int64_t bh, int64_t ja, int64_t jb, int64_t C, int64_t R,
+                const char* row_ok, const T* bnd, T* acc, T* r, T* c, PanelScratch<T>& w) {
+  const T ninf = -std::numeric_limits<T>::infinity(), zmin = std::exp(T(-10));
+  const int64_t M = p.M, Dv = p.Dv;
+  const T* q = p.q + bh * p.sq_bh;
+  const T* k = p.k + bh * p.sk_bh;
+  const T* v = p.v + bh * p.sv_bh;
+  for (int64_t j0 = ja; j0 < jb; j0 += C) {
+    const int64_t cw = std::min(C, jb - j0);
+    T *z = w.z.data(), *b = w.cm.data(), *f = w.f.data();
+    std::fill(z, z + cw, T(0));
+    for (int64_t j = 0; j < cw; ++j) b[j] = bnd[j0 + j] == ninf ? T(0) : bnd[j0 + j];
+    const T* kb = p.kb ? p.kb + bh * p.N + j0 : nullptr;
+    // pass 1: x = exp(s - b) in the panel, z = its column sums
+    for (int64_t i0 = 0; i0 < M; i0 += R) {
+      const int64_t ni = std::min(R, M - i0);
+      T* x = w.panel.data() + i0 * cw;
+      gemm_abt(ni, cw, p.D, p.scale, q + i0 * p.sq_m, p.sq_m, k + j0 * p.sk_n, p.sk_n, T(0), x, cw);
       for (int64_t i = 0; i < ni; ++i) {
-        const T* row = x + i * cw;
-        T s = 0;
-        for (int64_t j = 0; j < cw; ++j) s += row[j] * f[j];
-        r[i0 + i] += s;
+        T* row = x + i * cw;
+        if (!row_ok[i0 + i]) {
+          std::fill(row, row + cw, T(0));
+        } else if (kb) {
+          for (int64_t j = 0; j < cw; ++j) {
+            const T e = exp_nonpos(row[j] + kb[j] - b[j]);  // masked keys: exp(-inf) = 0
+            row[j] = e;
+            z[j] += e;
+          }
+        } else {
+          for (int64_t j = 0; j < cw; ++j) {
+            const T e = exp_nonpos(row[j] - b[j]);
+            row[j] = e;
+            z[j] += e;
+          }
+        }
       }
     }
+    bool loose = false;
+    for (int64_t j = 0; j < cw; ++j) {
+      if (bnd[j0 + j] == ninf) {  // a masked column, or no valid row
+        f[j] = T(0);
+        c[j0 + j] = ninf;
+      } else if (!(z[j] >= zmin) || !std::isfinite(b[j])) {
+        loose = true;
+      } else {
+        f[j] = T(1) / z[j];
+        c[j0 + j] = b[j] + std::log(z[j]);
+      }
+    }
+    if (loose) {
+      accumulate_exact(p, bh, j0, j0 + cw, C, R, row_ok, acc, r, c, w);
+      continue;
+    }
+    // pass 2: acc += x diag(f) v_J, r += x f
+    scale_values(f, v + j0 * p.sv_n, p.sv_n, cw, Dv, w.vf.data());
+    for (int64_t i0 = 0; i0 < M; i0 += kValueRows)
+      add_products(w.panel.data() + i0 * cw, std::min(kValueRows, M - i0), cw, f, w.vf.data(), Dv, acc + i0 * Dv,
+                   r + i0);
   }
 }
 
@@ -185,7 +311,10 @@ void panel_impl(const PanelProblem<T>& p, int64_t panel_elems) {
   std::vector<char> row_ok(BH * M);
   for (int64_t bh = 0; bh < BH; ++bh)
     for (int64_t i = 0; i < M; ++i) row_ok[bh * M + i] = !(p.rb && p.rb[bh * M + i] == ninf);
-  std::vector<T> c(BH * N);
+  std::vector<T> c(BH * N), bnd(BH * N);
+  at::parallel_for(0, BH, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) column_bounds(p, bh, row_ok.data() + bh * M, bnd.data() + bh * N);
+  });
   if (P == 1) {
     at::parallel_for(0, BH, 1, [&](int64_t begin, int64_t end) {
       SerialBlas serial;
@@ -194,7 +323,8 @@ void panel_impl(const PanelProblem<T>& p, int64_t panel_elems) {
       for (int64_t bh = begin; bh < end; ++bh) {
         std::fill(acc.begin(), acc.end(), T(0));
         std::fill(r.begin(), r.end(), T(0));
-        accumulate(p, bh, 0, N, C, R, row_ok.data() + bh * M, acc.data(), r.data(), c.data() + bh * N, w);
+        accumulate(p, bh, 0, N, C, R, row_ok.data() + bh * M, bnd.data() + bh * N, acc.data(), r.data(),
+                   c.data() + bh * N, w);
         finalize(p, bh, row_ok.data() + bh * M, acc.data(), r.data(), c.data() + bh * N, p.out + bh * M * Dv);
       }
     });
@@ -208,7 +338,7 @@ void panel_impl(const PanelProblem<T>& p, int64_t panel_elems) {
       const int64_t bh = task / P, part = task % P;
       const int64_t ja = (nc * part / P) * C, jb = std::min(N, (nc * (part + 1) / P) * C);
       if (ja >= jb) continue;
-      accumulate(p, bh, ja, jb, C, R, row_ok.data() + bh * M, acc.data() + task * M * Dv,
+      accumulate(p, bh, ja, jb, C, R, row_ok.data() + bh * M, bnd.data() + bh * N, acc.data() + task * M * Dv,
                  r.data() + task * M, c.data() + bh * N, w);
     }
   });

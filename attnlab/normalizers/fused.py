@@ -206,7 +206,8 @@ def _held(q, k, v, mask, scale, u=None, iters=1):
 
 def fused_dnas(q, k, v, mask, scale, ctx):
     if ctx.causal:
-        return _causal_dnas_blocked(q, k, v, mask, scale)
+        out = kp.causal_kernel(q, k, v, mask, scale)
+        return _causal_dnas_blocked(q, k, v, mask, scale) if out is None else out
     if _small_with_grad(q, k, v, ctx):
         return _SmallDoublyNormalized.apply(q, k, v, 1.0, mask, scale, False)
     out = kp.panel_kernel(q, k, v, mask, scale)  # column panels; else whole heads held

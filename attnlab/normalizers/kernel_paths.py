@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from attnlab.normalizers.functions import NEG_INF
+from attnlab.normalizers.functions import LSE_FLOOR, NEG_INF
 
 # DNAS, HNAS and Sinkhorn without gradients on CPU hold a head's (M, N) scores (kernels.held_attend)
 # when one head takes at most this many bytes (S = 4096 float32: 64 MiB); a group of smaller heads
@@ -22,8 +22,10 @@ HELD_HEAD_BYTES = 128 * 2**20
 # DNAS without gradients on CPU (non-causal) goes by column panels (kernels.panel_dnas): each thread
 # holds one M x C panel of scores of at most this many bytes (C >= 16 keys), so the working set stays in
 # cache whatever N is; with the accumulated output (M x Dv per thread) that is all it holds. 0 switches
-# the panels off (then DNAS takes held_attend, as before).
-PANEL_BYTES = 8 * 2**20
+# the panels off (then DNAS takes held_attend, as before). 1 MiB (C = 64 keys at M = 4096): on the
+# 2-core Zen 3 machine 1 MiB and 0.5 MiB panels ran at 1.00-1.10x SDPA, 2 MiB at 1.04-1.21x, 8 MiB at
+# 1.3-1.37x (docs/BENCHMARKS.md): a panel near the L2 keeps the second pass off a shared L3.
+PANEL_BYTES = 1 * 2**20
 # The older whole-head Sinkhorn kernel (one head per thread) within this many bytes in all; it runs
 # only where held_attend does not apply.
 SINKHORN_HEAD_BYTES = 256 * 2**20
@@ -201,6 +203,22 @@ def panel_kernel(q, k, v, mask, scale):
     out = ops.panel_dnas(heads_flat(q), heads_flat(k), heads_flat(v), key_bias, row_bias, scale, PANEL_BYTES)
     return out.view(B, H, M, v.shape[-1])
 
+
+def causal_kernel(q, k, v, mask, scale):
+    """Causal DNAS attention through kernels.causal_dnas (one pass: query blocks outer, each column's
+    running prefix maximum and sum carried down the rows); None where it does not apply (the
+    conditions of :func:`applies`) or where some row's weights underflowed (the kernel's ``redo``):
+    then the exact blocked path."""
+    if v.shape[-1] == 0 or not applies(q, k, mask, needs_grad(q, k, v)):
+        return None
+    ops = cpu_ops()
+    if ops is None:
+        return None
+    B, H, M, _ = q.shape
+    key_bias, row_bias = separable_biases(q, k, mask)
+    out, redo = ops.causal_dnas(heads_flat(q), heads_flat(k), heads_flat(v), key_bias, row_bias, scale,
+                                LSE_FLOOR)
+    return None if bool(redo.any()) else out.view(B, H, M, v.shape[-1])
 
 
 def train_forward(q, k, v, mask, u, scale):

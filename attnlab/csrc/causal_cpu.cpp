@@ -1,0 +1,200 @@
+// attnlab CPU kernel: causal DNAS attention (docs/VARIANTS.md "Causal DNAS") in one pass over the
+// scores, in SDPA's loop order -- query blocks outer, key chunks inner, each tile's score product,
+// exponentials and value product while the tile is in L2.
+//
+//   causal_dnas(q, k, v, key_bias, row_bias, scale, floor):  (out (BH, M, Dv), redo (BH,) bool)
+//       q (BH, M, D), k (BH, N, D), v (BH, N, Dv) with contiguous last dims; key_bias (BH, N) and
+//       row_bias (BH, M) 0 / -inf or absent. Key j is visible to query i when j <= i (top-left
+//       aligned, as fused.causal_mask). floor is the log-sum-exp of an empty prefix (LSE_FLOOR).
+//       Rows of invalid queries and rows with no visible valid key give 0. redo marks the heads
+//       where some row's mass underflowed (every visible weight below e^-87 of its column's prefix):
+//       the caller recomputes those exactly (rare).
+//
+// Causal DNAS normalizes column j over the queries up to i: c_ij = logsumexp_{i' <= i} s_i'j (the
+// prefix form of Eq. 5's column normalizer), then P_ij = exp(s_ij - c_ij) and pi_ij = P_ij / sum_j
+// P_ij. Going down the rows in order, each column carries its running maximum m_j and sum z_j =
+// sum_{i' <= i} exp(s_i'j - m_j) (>= 1: the maximum's own term), so with d = s_ij - m_j:
+//   s_ij > m_j: z_j <- z_j e^{-d} + 1, m_j <- s_ij, P_ij = 1 / z_j
+//   otherwise:  z_j <- z_j + e^{d},              P_ij = e^{d} / z_j
+// one exponential per score, e^{-|d|}, and no pass over a column before its rows are used. The
+// column states make a head's query blocks sequential: heads go to threads whole, and with fewer
+// heads than threads x 4 the keys of a head are split in parts of equal work (rows >= the part's
+// first key), each with its own accumulators, summed at the end.
+#include "kernel_common.h"
+
+namespace {
+
+// Query rows x keys of one tile: R x C = 2^16 scores (256 KiB of float) in L2.
+constexpr int64_t kRows = 128, kKeys = 512;
+
+template <typename T>
+struct CausalProblem {
+  const T *q, *k, *v, *kb, *rb;
+  int64_t BH, M, N, D, Dv, sq_bh, sq_m, sk_bh, sk_n, sv_bh, sv_n;
+  T scale, floor;
+};
+
+// One row of a tile against keys j0 .. j0 + lim - 1 (all visible): updates the columns' states m, z
+// and writes P into row; returns sum_j P_ij. kMasked adds the key bias kb (-inf: e = 0, no change);
+// a template argument, not a branch in the loop: the vectorized loop would load kb under a mask, and
+// a masked load from a null pointer costs a microcode assist per vector on Zen 3 (2/3 of the time).
+template <bool kMasked, typename T>
+inline T row_step(T* __restrict row, const T* __restrict kb, T* __restrict m, T* __restrict z, int64_t lim) {
+  T sum = 0;
+  for (int64_t j = 0; j < lim; ++j) {
+    const T s = kMasked ? row[j] + kb[j] : row[j];
+    const T d = s - m[j];
+    const T e = exp_nonpos(d > 0 ? -d : d);
+    const bool up = d > 0;
+    const T zn = up ? z[j] * e + T(1) : z[j] + e;
+    const T pv = (up ? T(1) : e) / zn;
+    z[j] = zn;
+    m[j] = up ? s : m[j];
+    row[j] = pv;
+    sum += pv;
+  }
+  return sum;
+}
+
+// Accumulates acc (M x Dv) and r (M) of head bh over the keys [ja, jb) for every row i >= ja.
+template <typename T>
+void sweep(const CausalProblem<T>& p, int64_t bh, int64_t ja, int64_t jb, const char* row_ok, T* acc, T* r,
+           std::vector<T>& tile, std::vector<T>& m, std::vector<T>& z) {
+  const int64_t M = p.M, Dv = p.Dv;
+  const T* q = p.q + bh * p.sq_bh;
+  const T* k = p.k + bh * p.sk_bh;
+  const T* v = p.v + bh * p.sv_bh;
+  const T* kb = p.kb ? p.kb + bh * p.N : nullptr;
+  std::fill(m.begin(), m.begin() + (jb - ja), p.floor);  // the empty prefix: e^floor, as the reference
+  std::fill(z.begin(), z.begin() + (jb - ja), T(1));
+  for (int64_t i0 = ja; i0 < M; i0 += kRows) {
+    const int64_t ni = std::min(kRows, M - i0), jend = std::min(jb, i0 + ni);
+    for (int64_t j0 = ja; j0 < jend; j0 += kKeys) {
+      const int64_t cw = std::min(kKeys, jend - j0);
+      T* x = tile.data();
+      gemm_abt(ni, cw, p.D, p.scale, q + i0 * p.sq_m, p.sq_m, k + j0 * p.sk_n, p.sk_n, T(0), x, cw);
+      for (int64_t i = 0; i < ni; ++i) {
+        T* row = x + i * cw;
+        const int64_t gi = i0 + i, lim = std::min(cw, gi - j0 + 1);  // keys j <= gi
+        if (!row_ok[gi] || lim <= 0) {
+          std::fill(row, row + cw, T(0));
+          continue;
+        }
+        T* mj = m.data() + (j0 - ja);
+        T* zj = z.data() + (j0 - ja);
+        r[gi] += kb ? row_step<true>(row, kb + j0, mj, zj, lim) : row_step<false>(row, kb, mj, zj, lim);
+        std::fill(row + lim, row + cw, T(0));
+      }
+      gemm_ab(ni, Dv, cw, x, cw, v + j0 * p.sv_n, p.sv_n, acc + i0 * Dv, Dv, T(1));
+    }
+  }
+}
+
+// out_i = acc_i / r_i; 0 for invalid rows and rows with no visible valid key; true when a row with a
+// valid key has r_i <= kTiny (its weights underflowed).
+template <typename T>
+bool finalize(const CausalProblem<T>& p, int64_t bh, const char* row_ok, const T* acc, const T* r, T* o) {
+  const T ninf = -std::numeric_limits<T>::infinity();
+  int64_t first = 0;  // the first valid key
+  if (p.kb)
+    while (first < p.N && p.kb[bh * p.N + first] == ninf) ++first;
+  bool redo = false;
+  for (int64_t i = 0; i < p.M; ++i) {
+    T* oi = o + i * p.Dv;
+    const bool any = row_ok[i] && first < p.N && first <= i;
+    if (any && r[i] > kTiny<T>) {
+      const T inv = T(1) / r[i];
+      for (int64_t d = 0; d < p.Dv; ++d) oi[d] = acc[i * p.Dv + d] * inv;
+    } else {
+      redo = redo || any;
+      std::fill(oi, oi + p.Dv, T(0));
+    }
+  }
+  return redo;
+}
+
+template <typename T>
+void causal_impl(const CausalProblem<T>& p, T* out, bool* redo) {
+  const T ninf = -std::numeric_limits<T>::infinity();
+  const int64_t M = p.M, N = p.N, Dv = p.Dv, BH = p.BH;
+  const int64_t threads = at::get_num_threads();
+  const int64_t P = (BH >= 4 * threads || BH % threads == 0)
+                        ? 1
+                        : std::min<int64_t>((N + kKeys - 1) / kKeys, (4 * threads + BH - 1) / BH);
+  std::vector<char> row_ok(BH * M);
+  for (int64_t bh = 0; bh < BH; ++bh)
+    for (int64_t i = 0; i < M; ++i) row_ok[bh * M + i] = !(p.rb && p.rb[bh * M + i] == ninf);
+  if (P == 1) {
+    at::parallel_for(0, BH, 1, [&](int64_t begin, int64_t end) {
+      SerialBlas serial;
+      std::vector<T> tile(kRows * kKeys), m(N), z(N), acc(M * Dv), r(M);
+      for (int64_t bh = begin; bh < end; ++bh) {
+        std::fill(acc.begin(), acc.end(), T(0));
+        std::fill(r.begin(), r.end(), T(0));
+        sweep(p, bh, 0, N, row_ok.data() + bh * M, acc.data(), r.data(), tile, m, z);
+        redo[bh] = finalize(p, bh, row_ok.data() + bh * M, acc.data(), r.data(), out + bh * M * Dv);
+      }
+    });
+    return;
+  }
+  // parts of equal work: key j costs the M - j rows that see it
+  std::vector<int64_t> cut(P + 1, N);
+  cut[0] = 0;
+  double total = 0;
+  for (int64_t j = 0; j < N; ++j) total += (double)std::max<int64_t>(M - j, 0);
+  double run = 0;
+  for (int64_t j = 0, part = 1; j < N && part < P; ++j) {
+    run += (double)std::max<int64_t>(M - j, 0);
+    if (run >= total * (double)part / (double)P) cut[part++] = j + 1;
+  }
+  std::vector<T> acc(BH * P * M * Dv, T(0)), r(BH * P * M, T(0));
+  at::parallel_for(0, BH * P, 1, [&](int64_t begin, int64_t end) {
+    SerialBlas serial;
+    std::vector<T> tile(kRows * kKeys), m(N), z(N);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / P, part = task % P;
+      if (cut[part] < cut[part + 1])
+        sweep(p, bh, cut[part], cut[part + 1], row_ok.data() + bh * M, acc.data() + task * M * Dv,
+              r.data() + task * M, tile, m, z);
+    }
+  });
+  at::parallel_for(0, BH, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      T* a0 = acc.data() + bh * P * M * Dv;
+      T* r0 = r.data() + bh * P * M;
+      for (int64_t part = 1; part < P; ++part) {
+        for (int64_t e = 0; e < M * Dv; ++e) a0[e] += a0[part * M * Dv + e];
+        for (int64_t i = 0; i < M; ++i) r0[i] += r0[part * M + i];
+      }
+      redo[bh] = finalize(p, bh, row_ok.data() + bh * M, a0, r0, out + bh * M * Dv);
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> causal_dnas(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                               const c10::optional<at::Tensor>& key_bias,
+                                               const c10::optional<at::Tensor>& row_bias, double scale,
+                                               double floor) {
+  const QKVSizes z = check_qkv(q, k, v);
+  auto out = at::zeros({z.BH, z.M, z.Dv}, q.options());
+  auto redo = at::zeros({z.BH}, q.options().dtype(at::kBool));
+  if (z.BH == 0 || z.M == 0 || z.N == 0 || z.Dv == 0) return {out, redo};
+  const at::Tensor kb = operand(key_bias, q.scalar_type()), rb = operand(row_bias, q.scalar_type());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "causal_dnas", [&] {
+    CausalProblem<scalar_t> p{q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
+                              data_or_null<scalar_t>(kb), data_or_null<scalar_t>(rb), z.BH, z.M, z.N, z.D,
+                              z.Dv, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+                              v.stride(1), (scalar_t)scale, (scalar_t)floor};
+    causal_impl<scalar_t>(p, out.data_ptr<scalar_t>(), redo.data_ptr<bool>());
+  });
+  return {out, redo};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(attnlab, m) {
+  m.def("causal_dnas(Tensor q, Tensor k, Tensor v, Tensor? key_bias, Tensor? row_bias, float scale, "
+        "float floor) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(attnlab, CPU, m) { m.impl("causal_dnas", &causal_dnas); }
