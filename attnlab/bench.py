@@ -48,6 +48,11 @@ def attention_cases() -> list[tuple[str, str | None, dict]]:
 
 
 CASES = attention_cases()
+# Masked cases, each against SDPA with the same mask (query padding: against unmasked SDPA, which has
+# no cheaper form of it): 10 % of the keys padded, 10 % of the queries padded, causal.
+MASK_CASES = [("sdpa keys", None, {"_mask": "keys"}), ("dnas keys", "dnas", {"_mask": "keys"}),
+              ("dnas queries", "dnas", {"_mask": "queries"}),
+              ("sdpa causal", None, {"_mask": "causal"}), ("dnas causal", "dnas", {"_mask": "causal"})]
 # The variants with a Triton kernel path (attnlab.gpu.FAST_PATHS) through attnlab.gpu.fused_attend,
 # measured on CUDA when it applies, until the kernels are attend's CUDA fast path.
 TRITON_CASES = [(f"{lab} triton", var, kw) for lab, var, kw in CASES
@@ -63,11 +68,32 @@ def _inputs(seq: int, device: str = "cpu", heads: int = H, head_dim: int = D, dt
             for _ in range(3)]
 
 
+def _mask(kind: str, q: torch.Tensor) -> torch.Tensor:
+    """The benchmark's padding masks (seeded): 10 % of the keys ("keys", (B, 1, 1, S)) or of the queries
+    ("queries", (B, 1, S, 1)) padded."""
+    gen = torch.Generator().manual_seed(1)
+    keep = (torch.rand(q.shape[-2], generator=gen) > 0.1).to(q.device)
+    return keep.view(1, 1, 1, -1) if kind == "keys" else keep.view(1, 1, -1, 1)
+
+
+def _baseline(label: str, labels) -> str:
+    """The SDPA case a label's ratio is taken against: SDPA with the same mask where there is one."""
+    kind = label.split(" ")[-1]
+    return f"sdpa {kind}" if f"sdpa {kind}" in labels else "sdpa"
+
+
 def _call(variant, kwargs, q, k, v, triton: bool = False):
     import attnlab
 
+    kwargs = dict(kwargs)
+    kind = kwargs.pop("_mask", None)
+    if kind == "causal":
+        kwargs["causal"] = True
+    elif kind is not None:
+        kwargs["mask"] = _mask(kind, q)
     if variant is None:
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=kwargs.get("mask"),
+                                                                is_causal=kwargs.get("causal", False))
     if triton:
         from attnlab import gpu
 
@@ -136,14 +162,15 @@ with torch.no_grad():
 
 def bench_attention(sizes=SIZES, device: str = "cpu", memory: bool = True, repeats: int = 5,
                     heads: int = H, head_dim: int = D, dtype: str = "float32") -> dict:
-    """Times (s) and ratios to SDPA per size, and peak extra memory (MiB) per size (CPU only)."""
+    """Times (s) and ratios to SDPA per size (masked cases to SDPA with the same mask: MASK_CASES), and
+    peak extra memory (MiB) per size (CPU only)."""
     results = {"sizes": list(sizes), "device": device, "heads": heads, "head_dim": head_dim, "dtype": dtype,
                "time_s": {}, "ratio": {}, "cpu_ratio": {}, "peak_extra_mib": {}}
     with torch.no_grad():
         for seq in sizes:
             q, k, v = _inputs(seq, device, heads, head_dim, DTYPES[dtype])
             reps = repeats if seq <= 2048 else max(3, repeats // 2)
-            cases = [(lab, var, kw, False) for lab, var, kw in CASES]
+            cases = [(lab, var, kw, False) for lab, var, kw in (*CASES, *MASK_CASES)]
             if _triton_applies(q):
                 cases += [(lab, var, kw, True) for lab, var, kw in TRITON_CASES]
             fns = {lab: (lambda v_=var, kw=kw, t=t, x=(q, k, v): _call(v_, kw, *x, triton=t))
@@ -151,8 +178,8 @@ def bench_attention(sizes=SIZES, device: str = "cpu", memory: bool = True, repea
             cpu: dict = {}
             t = _interleaved_medians(fns, reps, device, cpu)
             results["time_s"][seq] = t
-            results["ratio"][seq] = {lab: t[lab] / t["sdpa"] for lab in t}
-            results["cpu_ratio"][seq] = {lab: cpu[lab] / max(cpu["sdpa"], 1e-9) for lab in cpu}
+            results["ratio"][seq] = {lab: t[lab] / t[_baseline(lab, t)] for lab in t}
+            results["cpu_ratio"][seq] = {lab: cpu[lab] / max(cpu[_baseline(lab, cpu)], 1e-9) for lab in cpu}
             print(f"S={seq}: " + "  ".join(f"{lab} {r:.2f}x" for lab, r in results["ratio"][seq].items()),
                   flush=True)
             print(f"S={seq} (CPU time): " + "  ".join(

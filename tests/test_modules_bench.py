@@ -49,10 +49,13 @@ def test_config_errors():
 def test_attention_benchmark_runs_and_reports_ratios(capsys):
     res = bench.bench_attention(sizes=(32,), memory=False, repeats=1)
     ratios = res["ratio"][32]
-    assert set(ratios) == {label for label, _, _ in bench.CASES}
-    times = res["time_s"][32]  # every ratio is that case's time over SDPA's, from the same run
+    assert set(ratios) == {label for label, _, _ in (*bench.CASES, *bench.MASK_CASES)}
+    times = res["time_s"][32]  # every ratio is that case's time over SDPA's (same mask), from the same run
     assert all(t > 0 for t in times.values())
-    assert all(ratios[lab] == pytest.approx(times[lab] / times["sdpa"]) for lab in ratios)
+    base = {lab: "sdpa" for lab in ratios}
+    base |= {f"{v} {m}": f"sdpa {m}" for v in ("sdpa", "dnas") for m in ("keys", "causal")}
+    assert all(ratios[lab] == pytest.approx(times[lab] / times[base[lab]]) for lab in ratios)
+    assert ratios["sdpa keys"] == ratios["sdpa causal"] == 1.0
     table = bench.attention_markdown(res)
     assert "| 32 |" in table and "dnas" in table
     assert cli_main(["bench", "attention", "--sizes", "16", "--no-memory", "--repeats", "1"]) == 0
