@@ -193,3 +193,8 @@ def test_all_finite_routes_every_non_finite_input_to_the_exact_path():
     half[123] = math.nan
     assert not all_finite(half)
     assert not all_finite(torch.full((10,), 3e38))  # finite entries, overflowing sum: the exact path
+    import warnings  # noqa: PLC0415
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a tensor under autograd: no graph, no "requires_grad" warning
+        assert all_finite(x.clone().requires_grad_())

@@ -137,7 +137,7 @@ def all_finite(*tensors) -> bool:
         if t is None:
             continue
         wide = torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else None
-        if not math.isfinite(float(t.sum(dtype=wide))):
+        if not math.isfinite(float(t.detach().sum(dtype=wide))):
             return False
     return True
 
