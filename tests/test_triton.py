@@ -457,6 +457,6 @@ def test_attention_benchmark_options_on_cpu():
     from attnlab import bench
 
     res = bench.bench_attention(sizes=(16,), memory=False, repeats=1, heads=2, head_dim=16, dtype="bfloat16")
-    assert set(res["ratio"][16]) == {label for label, _, _ in bench.CASES}
+    assert set(res["ratio"][16]) == {label for label, _, _ in (*bench.CASES, *bench.MASK_CASES)}
     assert (res["heads"], res["head_dim"], res["dtype"]) == (2, 16, "bfloat16")
     assert "| 16 |" in bench.attention_markdown(res)
