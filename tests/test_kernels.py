@@ -539,3 +539,69 @@ def test_causal_dnas_attend_takes_the_kernel(monkeypatch, mask_kind):
     torch.testing.assert_close(fast, sink, atol=0, rtol=0)
     torch.testing.assert_close(fast, slow, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(graded.detach(), slow, atol=2e-5, rtol=2e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("BH", "M", "N", "panel"), [
+    (5, 300, 700, 300 * 64 * 4),  # 11 chunks of 64 keys per head
+    (3, 37, 53, 2**30),  # one chunk per head
+    (2, 1, 9, 0),  # the smallest panel: 16-key chunks
+    (12, 140, 1500, 140 * 256 * 4),  # value products over groups of 1024 keys and a last one of 476
+])
+def test_panel_hnas_equals_float64_reference(dtype, BH, M, N, panel):
+    """panel_hnas (HNAS, Eq. 12, from bound-shifted panels written once and read once) against the
+    float64 materialized HNAS, for u from 0 (UNAS) to 1 (DNAS) across the heads, with invalid keys and
+    queries and a head with every key masked, unmasked, and on strided views."""
+    q, k, v, key_ok, row_ok, key_bias, row_bias = _masked_problem(M * N + 3, dtype, BH, M, N)
+    u = torch.linspace(0, 1, BH, dtype=dtype)
+    params = {"u": u.view(1, BH, 1, 1).double()}
+    tol = dict(atol=3e-5, rtol=3e-5) if dtype == torch.float32 else dict(atol=1e-11, rtol=1e-11)
+    got, done = ops.panel_hnas(q, k, v, key_bias, row_bias, u, 0.35, panel)
+    ref = _held_reference(q, k, v, key_ok, row_ok, "hnas", 0.35, **params)
+    torch.testing.assert_close(got.double(), ref, **tol)
+    assert done.all() and torch.all(got[-1] == 0) and torch.all(got[~row_ok] == 0)
+    everything = torch.ones(BH, N, dtype=torch.bool), torch.ones(BH, M, dtype=torch.bool)
+    got, _ = ops.panel_hnas(q, k, v, None, None, u, 0.35, panel)
+    ref = _held_reference(q, k, v, *everything, "hnas", 0.35, **params)
+    torch.testing.assert_close(got.double(), ref, **tol)
+    qv, kv, vv = (torch.cat([t, t], -1)[..., : t.shape[-1]] for t in (q, k, v))
+    again, _ = ops.panel_hnas(qv, kv, vv, None, None, u, 0.35, panel)
+    torch.testing.assert_close(again, got, atol=0, rtol=0)
+
+
+@needs_kernels
+def test_panel_hnas_rows_below_the_shift_and_loose_heads_are_exact(monkeypatch):
+    """Head 0: query 1 scores 0 with every key while query 0 scores 50-150, so its UNAS and DNAS terms
+    underflow against the shifts and the kernel redoes that row from its scores. Head 1: query 0 =
+    100 e_1 leaves the bound of every key not along e_1 loose; panel_hnas says so (done False) and
+    attend's HNAS gives that head through held_attend. Both equal the float64 reference."""
+    gen = torch.Generator().manual_seed(5)
+    k0 = torch.cat([0.5 + torch.rand(40, 1, generator=gen), torch.zeros(40, 1)], -1)  # along e_1: tight
+    q0 = torch.zeros(40, 2)
+    q0[0, 0], q0[2] = 100.0, torch.tensor([30.0, 1.0])
+    q1 = torch.randn(40, 2, generator=gen)
+    q1[0] = torch.tensor([100.0, 0.0])
+    k1 = torch.randn(40, 2, generator=gen)
+    q, k = torch.stack([q0, q1]), torch.stack([k0, k1])  # (2, 40, 2)
+    v = torch.randn(2, 40, 3, generator=gen)
+    u = torch.tensor([0.5, 0.3])
+    got, done = ops.panel_hnas(q, k, v, None, None, u, 1.0, 0)
+    assert done.tolist() == [True, False]
+    ones = torch.ones(2, 40, dtype=torch.bool)
+    ref = _held_reference(q, k, v, ones, ones, "hnas", 1.0, u=u.view(1, 2, 1, 1).double())
+    assert torch.isfinite(got[0]).all()
+    torch.testing.assert_close(got[0].double(), ref[0], atol=2e-5, rtol=2e-5)
+    calls = []
+    real_ops = kernels.cpu_ops()
+
+    class Spy:
+        def __getattr__(self, name):
+            op = getattr(real_ops, name)
+            return lambda *a: calls.append(name) or op(*a)
+
+    monkeypatch.setattr(nz.kernel_paths, "cpu_ops", lambda: Spy())
+    with torch.no_grad():
+        out = attnlab.attend(q[None], k[None], v[None], "hnas", u=u.view(1, 2, 1, 1), scale=1.0)[0]
+    assert calls == ["panel_hnas", "held_attend"]
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)

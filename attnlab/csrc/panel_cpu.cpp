@@ -10,7 +10,7 @@
 //       queries and rows with no valid key give 0. panel_bytes bounds one thread's M x C panel
 //       (C >= 16 whatever it says).
 //
-// Per head, before any score: b_j >= max_i s_ij from the norms of q and k (column_bounds). Per
+// Per head, before any score: b_j >= max_i s_ij from the norms of q and k (column_bounds, bounds.h). Per
 // column chunk J (C keys), by tiles of R rows (R C elements, in L2):
 //   pass 1: s = scale q k_J^T + key_bias, x_ij = exp(s_ij - b_j) <= 1 kept in the panel, z_j = sum_i x_ij,
 //       so c_j = logsumexp_i s_ij = b_j + log z_j (Eq. 5's column normalizer) and
@@ -22,7 +22,7 @@
 // P_ij). A row with r_i below kTiny (its mass lies > ~46 nats below every column's log-sum-exp) is
 // recomputed from its scores exactly (rare). Heads go to threads whole; with fewer heads than
 // threads x 4 a head's chunks are split in parts with their own accumulators, summed at the end.
-#include "kernel_common.h"
+#include "bounds.h"
 
 namespace {
 
@@ -145,109 +145,22 @@ void accumulate_exact(const PanelProblem<T>& p, int64_t bh, int64_t ja, int64_t 
   }
 }
 
-// b_j >= max over the valid rows i of s_ij = scale q_i.k_j + kb_j, before any score:
-// scale (mu.k_j) + |scale| rho |k_j| with mu the valid rows' mean and rho = max_i |q_i - mu| (tight
-// when the queries share a large common part), or |scale| max_i |q_i| |k_j| where that is smaller
-// (Cauchy-Schwarz both); -inf for a masked column and for every column when no row is valid.
-template <typename T>
-void column_bounds(const PanelProblem<T>& p, int64_t bh, const char* row_ok, T* bnd) {
-  const T ninf = -std::numeric_limits<T>::infinity();
-  const int64_t M = p.M, N = p.N, D = p.D;
-  const T* q = p.q + bh * p.sq_bh;
-  const T* k = p.k + bh * p.sk_bh;
-  std::vector<double> sum(D, 0.0);
-  int64_t valid = 0;
-  for (int64_t i = 0; i < M; ++i) {
-    if (!row_ok[i]) continue;
-    ++valid;
-    for (int64_t d = 0; d < D; ++d) sum[d] += q[i * p.sq_m + d];
-  }
-  if (valid == 0) {
-    std::fill(bnd, bnd + N, ninf);
-    return;
-  }
-  std::vector<T> mu(D);
-  for (int64_t d = 0; d < D; ++d) mu[d] = (T)(sum[d] / (double)valid);
-  T rho2 = 0, qn2 = 0;
-  for (int64_t i = 0; i < M; ++i) {
-    if (!row_ok[i]) continue;
-    T a = 0, b = 0;
-    for (int64_t d = 0; d < D; ++d) {
-      const T x = q[i * p.sq_m + d], y = x - mu[d];
-      a += y * y;
-      b += x * x;
-    }
-    rho2 = a > rho2 ? a : rho2;
-    qn2 = b > qn2 ? b : qn2;
-  }
-  // slack for the rounding of the score products and of the bound itself
-  const T as = std::abs(p.scale), rho = std::sqrt(rho2) * T(1.0001), qn = std::sqrt(qn2) * T(1.0001);
-  for (int64_t j = 0; j < N; ++j) {
-    const T* kj = k + j * p.sk_n;
-    T dot = 0, kn2 = 0;
-    for (int64_t d = 0; d < D; ++d) {
-      dot += mu[d] * kj[d];
-      kn2 += kj[d] * kj[d];
-    }
-    const T kn = std::sqrt(kn2), b = std::min(p.scale * dot + as * rho * kn, as * qn * kn);
-    bnd[j] = p.kb && p.kb[bh * N + j] == ninf ? ninf : (p.kb ? b + p.kb[bh * N + j] : b);
-  }
-}
-
 // Accumulates acc (M x Dv) and r (M) over the column chunks of [ja, jb) of head bh with the column
 // bounds bnd (N, this head's), writing the columns' log-sum-exp into c (N, this head's); a chunk
 // with a loose bound goes to accumulate_exact.
 template <typename T>
 void accumulate(const PanelProblem<T>& p, int64_t bh, int64_t ja, int64_t jb, int64_t C, int64_t R,
                 const char* row_ok, const T* bnd, T* acc, T* r, T* c, PanelScratch<T>& w) {
-  const T ninf = -std::numeric_limits<T>::infinity(), zmin = std::exp(T(-10));
   const int64_t M = p.M, Dv = p.Dv;
-  const T* q = p.q + bh * p.sq_bh;
   const T* k = p.k + bh * p.sk_bh;
   const T* v = p.v + bh * p.sv_bh;
   for (int64_t j0 = ja; j0 < jb; j0 += C) {
     const int64_t cw = std::min(C, jb - j0);
     T *z = w.z.data(), *b = w.cm.data(), *f = w.f.data();
-    std::fill(z, z + cw, T(0));
-    for (int64_t j = 0; j < cw; ++j) b[j] = bnd[j0 + j] == ninf ? T(0) : bnd[j0 + j];
-    const T* kb = p.kb ? p.kb + bh * p.N + j0 : nullptr;
     // pass 1: x = exp(s - b) in the panel, z = its column sums
-    for (int64_t i0 = 0; i0 < M; i0 += R) {
-      const int64_t ni = std::min(R, M - i0);
-      T* x = w.panel.data() + i0 * cw;
-      gemm_abt(ni, cw, p.D, p.scale, q + i0 * p.sq_m, p.sq_m, k + j0 * p.sk_n, p.sk_n, T(0), x, cw);
-      for (int64_t i = 0; i < ni; ++i) {
-        T* row = x + i * cw;
-        if (!row_ok[i0 + i]) {
-          std::fill(row, row + cw, T(0));
-        } else if (kb) {
-          for (int64_t j = 0; j < cw; ++j) {
-            const T e = exp_nonpos(row[j] + kb[j] - b[j]);  // masked keys: exp(-inf) = 0
-            row[j] = e;
-            z[j] += e;
-          }
-        } else {
-          for (int64_t j = 0; j < cw; ++j) {
-            const T e = exp_nonpos(row[j] - b[j]);
-            row[j] = e;
-            z[j] += e;
-          }
-        }
-      }
-    }
-    bool loose = false;
-    for (int64_t j = 0; j < cw; ++j) {
-      if (bnd[j0 + j] == ninf) {  // a masked column, or no valid row
-        f[j] = T(0);
-        c[j0 + j] = ninf;
-      } else if (!(z[j] >= zmin) || !std::isfinite(b[j])) {
-        loose = true;
-      } else {
-        f[j] = T(1) / z[j];
-        c[j0 + j] = b[j] + std::log(z[j]);
-      }
-    }
-    if (loose) {
+    bound_panel(p.q + bh * p.sq_bh, p.sq_m, M, k + j0 * p.sk_n, p.sk_n, cw, p.D, p.scale,
+                p.kb ? p.kb + bh * p.N + j0 : nullptr, bnd + j0, row_ok, R, w.panel.data(), z, b);
+    if (chunk_factors(bnd + j0, b, z, cw, f, c + j0)) {
       accumulate_exact(p, bh, j0, j0 + cw, C, R, row_ok, acc, r, c, w);
       continue;
     }
@@ -313,7 +226,9 @@ void panel_impl(const PanelProblem<T>& p, int64_t panel_elems) {
     for (int64_t i = 0; i < M; ++i) row_ok[bh * M + i] = !(p.rb && p.rb[bh * M + i] == ninf);
   std::vector<T> c(BH * N), bnd(BH * N);
   at::parallel_for(0, BH, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t bh = begin; bh < end; ++bh) column_bounds(p, bh, row_ok.data() + bh * M, bnd.data() + bh * N);
+    for (int64_t bh = begin; bh < end; ++bh)
+      column_bounds(p.q + bh * p.sq_bh, p.sq_m, M, p.k + bh * p.sk_bh, p.sk_n, N, p.D, p.scale,
+                    p.kb ? p.kb + bh * N : nullptr, row_ok.data() + bh * M, bnd.data() + bh * N);
   });
   if (P == 1) {
     at::parallel_for(0, BH, 1, [&](int64_t begin, int64_t end) {

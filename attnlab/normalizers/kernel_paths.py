@@ -171,8 +171,10 @@ def _ops_and_weights(u, q):
 def held_kernel(q, k, v, mask, scale, u=None, iters: int = 1):
     """DNAS (u None, iters 1), HNAS (u, one weight per (batch, head) or a number) or Sinkhorn (iters
     rounds) attention through kernels.held_attend: each head's scores computed once and held (one
-    score product, one exponential per score, one value product); None where it does not apply
-    (one head over HELD_HEAD_BYTES, u varying within a head, and the conditions of :func:`applies`)."""
+    score product, one exponential per score, one value product); HNAS through kernels.panel_hnas
+    (the held scores bound-shifted and in column panels, written once and read once; heads where a
+    column's bound is loose go to held_attend). None where it does not apply (one head over
+    HELD_HEAD_BYTES, u varying within a head, and the conditions of :func:`applies`)."""
     if v.shape[-1] == 0 or not applies(q, k, mask, needs_grad(q, k, v, u)):
         return None
     B, H, M, _ = q.shape
@@ -184,8 +186,18 @@ def held_kernel(q, k, v, mask, scale, u=None, iters: int = 1):
         return None
     ops, weights = found
     key_bias, row_bias = separable_biases(q, k, mask)
-    out = ops.held_attend(heads_flat(q), heads_flat(k), heads_flat(v), key_bias, row_bias, weights, iters,
-                          scale, HELD_HEAD_BYTES)
+    qf, kf, vf = heads_flat(q), heads_flat(k), heads_flat(v)
+    if weights is not None and PANEL_BYTES > 0:  # HNAS: bound-shifted panels, written once, read once
+        out, done = ops.panel_hnas(qf, kf, vf, key_bias, row_bias, weights, scale, PANEL_BYTES)
+        redo = (~done).nonzero().flatten()
+        if redo.numel():  # heads with a loose column bound: held_attend, exactly
+            def pick(t):
+                return None if t is None else t.index_select(0, redo)
+
+            out[redo] = ops.held_attend(pick(qf), pick(kf), pick(vf), pick(key_bias), pick(row_bias),
+                                        pick(weights), iters, scale, HELD_HEAD_BYTES)
+        return out.view(B, H, M, v.shape[-1])
+    out = ops.held_attend(qf, kf, vf, key_bias, row_bias, weights, iters, scale, HELD_HEAD_BYTES)
     return out.view(B, H, M, v.shape[-1])
 
 

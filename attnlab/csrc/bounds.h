@@ -1,0 +1,127 @@
+// Bound-shifted column panels, shared by panel_cpu.cpp (DNAS) and hnas_cpu.cpp (HNAS): a bound
+// b_j >= max_i s_ij per column from the norms of q and k, taken before any score, so that one sweep
+// x_ij = exp(s_ij - b_j) <= 1 gives a column chunk's sums z_j with no sweep for maxima, and
+// c_j = b_j + log z_j is the column's log-sum-exp (Eq. 5's normalizer).
+#pragma once
+#include "kernel_common.h"
+
+namespace {
+
+// b_j >= max over the valid rows i of s_ij = scale q_i.k_j + kb_j, before any score:
+// scale (mu.k_j) + |scale| rho |k_j| with mu the valid rows' mean and rho = max_i |q_i - mu| (tight
+// when the queries share a large common part), or |scale| max_i |q_i| |k_j| where that is smaller
+// (Cauchy-Schwarz both); -inf for a masked column and for every column when no row is valid.
+// q (M x D, row stride sq_m), k (N x D, sk_n), kb (N) or null, row_ok (M), bnd (N) out.
+template <typename T>
+void column_bounds(const T* q, int64_t sq_m, int64_t M, const T* k, int64_t sk_n, int64_t N, int64_t D, T scale,
+                   const T* kb, const char* row_ok, T* bnd) {
+  const T ninf = -std::numeric_limits<T>::infinity();
+  std::vector<double> sum(D, 0.0);
+  int64_t valid = 0;
+  for (int64_t i = 0; i < M; ++i) {
+    if (!row_ok[i]) continue;
+    ++valid;
+    for (int64_t d = 0; d < D; ++d) sum[d] += q[i * sq_m + d];
+  }
+  if (valid == 0) {
+    std::fill(bnd, bnd + N, ninf);
+    return;
+  }
+  std::vector<T> mu(D);
+  for (int64_t d = 0; d < D; ++d) mu[d] = (T)(sum[d] / (double)valid);
+  T rho2 = 0, qn2 = 0;
+  for (int64_t i = 0; i < M; ++i) {
+    if (!row_ok[i]) continue;
+    T a = 0, b = 0;
+    for (int64_t d = 0; d < D; ++d) {
+      const T x = q[i * sq_m + d], y = x - mu[d];
+      a += y * y;
+      b += x * x;
+    }
+    rho2 = a > rho2 ? a : rho2;
+    qn2 = b > qn2 ? b : qn2;
+  }
+  // slack for the rounding of the score products and of the bound itself
+  const T as = std::abs(scale), rho = std::sqrt(rho2) * T(1.0001), qn = std::sqrt(qn2) * T(1.0001);
+  for (int64_t j = 0; j < N; ++j) {
+    const T* kj = k + j * sk_n;
+    T dot = 0, kn2 = 0;
+    for (int64_t d = 0; d < D; ++d) {
+      dot += mu[d] * kj[d];
+      kn2 += kj[d] * kj[d];
+    }
+    const T kn = std::sqrt(kn2), b = std::min(scale * dot + as * rho * kn, as * qn * kn);
+    bnd[j] = kb && kb[j] == ninf ? ninf : (kb ? b + kb[j] : b);
+  }
+}
+
+// One row of pass 1: x_j = exp(s_j + kb_j - b_j) (kb null: no key bias) from s (may be x itself),
+// z_j += x_j; with h, returns sum_j x_j h_j (else 0). Template flags, not branches in the loop (a
+// vectorized loop would load a null kb under a mask: a microcode assist per vector on Zen 3).
+template <bool kMasked, bool kRowSum, typename T>
+inline T exp_row_step(const T* s, const T* kb, const T* b, const T* h, int64_t cw, T* x, T* z) {
+  T acc = 0;
+  for (int64_t j = 0; j < cw; ++j) {
+    const T e = exp_nonpos(kMasked ? s[j] + kb[j] - b[j] : s[j] - b[j]);  // masked keys: exp(-inf) = 0
+    x[j] = e;
+    z[j] += e;
+    if (kRowSum) acc += e * h[j];
+  }
+  return acc;
+}
+
+// Pass 1 of a column chunk of cw keys (k_J: cw x D, row stride sk_n; kb_J or null; bnd_J its bounds),
+// by tiles of R rows: x (M x cw, leading dimension cw) = exp(scale q k_J^T + kb_J - b_J), rows of
+// invalid queries 0, and z (cw) its column sums. b (cw): scratch for the finite shifts. With tile
+// (R x cw scratch, kept in L2) the products go there first, so that BLAS's first pass over its output
+// stays in cache when x is fresh memory; with h (cw) and rs (M), rs_i += sum_j x_ij h_j.
+template <typename T>
+void bound_panel(const T* q, int64_t sq_m, int64_t M, const T* kJ, int64_t sk_n, int64_t cw, int64_t D, T scale,
+                 const T* kbJ, const T* bndJ, const char* row_ok, int64_t R, T* x, T* z, T* b,
+                 T* tile = nullptr, const T* h = nullptr, T* rs = nullptr) {
+  const T ninf = -std::numeric_limits<T>::infinity();
+  std::fill(z, z + cw, T(0));
+  for (int64_t j = 0; j < cw; ++j) b[j] = bndJ[j] == ninf ? T(0) : bndJ[j];
+  for (int64_t i0 = 0; i0 < M; i0 += R) {
+    const int64_t ni = std::min(R, M - i0);
+    T* xt = x + i0 * cw;
+    T* st = tile ? tile : xt;
+    gemm_abt(ni, cw, D, scale, q + i0 * sq_m, sq_m, kJ, sk_n, T(0), st, cw);
+    for (int64_t i = 0; i < ni; ++i) {
+      T* row = xt + i * cw;
+      const T* s = st + i * cw;
+      if (!row_ok[i0 + i]) {
+        std::fill(row, row + cw, T(0));
+        continue;
+      }
+      const T sum = kbJ ? (h ? exp_row_step<true, true>(s, kbJ, b, h, cw, row, z)
+                             : exp_row_step<true, false>(s, kbJ, b, h, cw, row, z))
+                        : (h ? exp_row_step<false, true>(s, kbJ, b, h, cw, row, z)
+                             : exp_row_step<false, false>(s, kbJ, b, h, cw, row, z));
+      if (rs) rs[i0 + i] += sum;
+    }
+  }
+}
+
+// After bound_panel: f_j = 1 / z_j (so x_ij f_j = exp(s_ij - c_j)) and c_j = b_j + log z_j; masked
+// columns f = 0, c = -inf. Returns true when some column's bound is loose (z_j < e^-10: b_j more than
+// 10 nats above c_j, where exp(s - b_j) would lose entries that matter): then f and c are not set.
+template <typename T>
+bool chunk_factors(const T* bndJ, const T* b, const T* z, int64_t cw, T* f, T* cJ) {
+  const T ninf = -std::numeric_limits<T>::infinity(), zmin = std::exp(T(-10));
+  bool loose = false;
+  for (int64_t j = 0; j < cw; ++j) {
+    if (bndJ[j] == ninf) {  // a masked column, or no valid row
+      f[j] = T(0);
+      cJ[j] = ninf;
+    } else if (!(z[j] >= zmin) || !std::isfinite(b[j])) {
+      loose = true;
+    } else {
+      f[j] = T(1) / z[j];
+      cJ[j] = b[j] + std::log(z[j]);
+    }
+  }
+  return loose;
+}
+
+}  // namespace
