@@ -102,7 +102,7 @@ void held_impl(const HeldProblem<T>& p, int64_t budget_elems) {
     // phase 1: scores, block column maxima, E = exp(s - m), block column sums
     at::parallel_for(0, gh * nb, 1, [&](int64_t begin, int64_t end) {
       SerialBlas serial;
-      std::vector<T> safe(N);
+      std::vector<T> safe(N), tile(R * CT);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t h = task / nb, blk = task % nb, bh = g0 + h, i0 = blk * R;
         const int64_t ni = std::min(R, M - i0);
@@ -115,11 +115,13 @@ void held_impl(const HeldProblem<T>& p, int64_t budget_elems) {
         for (int64_t i = 0; i < ni; ++i) row_ok[h * M + i0 + i] = !(p.rb && p.rb[bh * M + i0 + i] == ninf);
         for (int64_t j0 = 0; j0 < N; j0 += CT) {  // column tiles of R x CT, each in L2 for its passes
           const int64_t cw = std::min(CT, N - j0);
+          // the products into an L2 scratch tile first: BLAS's first pass over its output (beta = 0)
+          // would otherwise touch the cold held buffer (8 % of HNAS's time in perf, see hnas_cpu.cpp)
           gemm_abt(ni, cw, p.D, p.scale, p.q + bh * p.sq_bh + i0 * p.sq_m, p.sq_m,
-                   p.k + bh * p.sk_bh + j0 * p.sk_n, p.sk_n, T(0), e + j0, N);
+                   p.k + bh * p.sk_bh + j0 * p.sk_n, p.sk_n, T(0), tile.data(), cw);
           T* mt = m + j0;
           for (int64_t i = 0; i < ni; ++i) {
-            T* row = e + i * N + j0;
+            T* row = tile.data() + i * cw;
             if (kb) for (int64_t j = 0; j < cw; ++j) row[j] += kb[j0 + j];
             if (!row_ok[h * M + i0 + i]) continue;
             for (int64_t j = 0; j < cw; ++j) mt[j] = row[j] > mt[j] ? row[j] : mt[j];
@@ -129,10 +131,11 @@ void held_impl(const HeldProblem<T>& p, int64_t budget_elems) {
           T* zt = z + j0;
           for (int64_t i = 0; i < ni; ++i) {
             if (!row_ok[h * M + i0 + i]) continue;
-            T* row = e + i * N + j0;
+            const T* row = tile.data() + i * cw;
+            T* er = e + i * N + j0;
             for (int64_t j = 0; j < cw; ++j) {
               const T x = exp_nonpos(row[j] - sp[j]);
-              row[j] = x;
+              er[j] = x;
               zt[j] += x;
             }
           }
