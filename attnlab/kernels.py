@@ -59,8 +59,8 @@ import torch
 __all__ = ["cpu_ops", "analysis_ops", "build_error", "available"]
 
 SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("attnlab_cpu.cpp", "held_cpu.cpp", "panel_cpu.cpp", "hnas_cpu.cpp", "causal_cpu.cpp",
-                        "train_cpu.cpp", "analysis_cpu.cpp")]
+           for name in ("attnlab_cpu.cpp", "held_cpu.cpp", "panel_cpu.cpp", "hnas_cpu.cpp",
+                        "sinkhorn_panels_cpu.cpp", "causal_cpu.cpp", "train_cpu.cpp", "analysis_cpu.cpp")]
 # -march=native: the kernels run where they are built. No -ffast-math: masked scores are -inf, so
 # only the flags that let sums and products be reordered and vectorized. -fopenmp: at::parallel_for
 # is OpenMP inside the extension too (without it the kernels run on one thread).

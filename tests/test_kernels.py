@@ -123,6 +123,19 @@ def _spy(monkeypatch, name):
     return calls
 
 
+def _op_spy(monkeypatch):
+    """kernel_paths' kernels behind a recorder: the list gets each kernel's name as it is called."""
+    calls, real_ops = [], kernels.cpu_ops()
+
+    class Spy:
+        def __getattr__(self, name):
+            op = getattr(real_ops, name)
+            return lambda *a: calls.append(name) or op(*a)
+
+    monkeypatch.setattr(nz.kernel_paths, "cpu_ops", lambda: Spy())
+    return calls
+
+
 def _masks(B, H, M, N, gen):
     return {
         "none": None,
@@ -592,16 +605,61 @@ def test_panel_hnas_rows_below_the_shift_and_loose_heads_are_exact(monkeypatch):
     ref = _held_reference(q, k, v, ones, ones, "hnas", 1.0, u=u.view(1, 2, 1, 1).double())
     assert torch.isfinite(got[0]).all()
     torch.testing.assert_close(got[0].double(), ref[0], atol=2e-5, rtol=2e-5)
-    calls = []
-    real_ops = kernels.cpu_ops()
-
-    class Spy:
-        def __getattr__(self, name):
-            op = getattr(real_ops, name)
-            return lambda *a: calls.append(name) or op(*a)
-
-    monkeypatch.setattr(nz.kernel_paths, "cpu_ops", lambda: Spy())
+    calls = _op_spy(monkeypatch)
     with torch.no_grad():
         out = attnlab.attend(q[None], k[None], v[None], "hnas", u=u.view(1, 2, 1, 1), scale=1.0)[0]
     assert calls == ["panel_hnas", "held_attend"]
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("iters", [2, 3, 5])
+@pytest.mark.parametrize(("BH", "M", "N", "panel"), [
+    (5, 300, 700, 300 * 64 * 4),  # 11 chunks of 64 keys per head
+    (3, 37, 53, 2**30),  # one chunk per head
+    (2, 1, 9, 0),  # the smallest panel: 16-key chunks
+])
+def test_panel_sinkhorn_equals_float64_reference(dtype, iters, BH, M, N, panel):
+    """panel_sinkhorn (Sinkhorn's rounds on bound-shifted panels written once, the row normalization
+    after the value product) against the float64 materialized Sinkhorn, with invalid keys and queries
+    and a head with every key masked, unmasked, and on strided views."""
+    q, k, v, key_ok, row_ok, key_bias, row_bias = _masked_problem(M * N + iters, dtype, BH, M, N)
+    tol = dict(atol=3e-5, rtol=3e-5) if dtype == torch.float32 else dict(atol=1e-11, rtol=1e-11)
+    got, done = ops.panel_sinkhorn(q, k, v, key_bias, row_bias, iters, 0.35, panel)
+    ref = _held_reference(q, k, v, key_ok, row_ok, "sinkhorn", 0.35, iters=iters)
+    torch.testing.assert_close(got.double(), ref, **tol)
+    assert done.all() and torch.all(got[-1] == 0) and torch.all(got[~row_ok] == 0)
+    everything = torch.ones(BH, N, dtype=torch.bool), torch.ones(BH, M, dtype=torch.bool)
+    got, _ = ops.panel_sinkhorn(q, k, v, None, None, iters, 0.35, panel)
+    ref = _held_reference(q, k, v, *everything, "sinkhorn", 0.35, iters=iters)
+    torch.testing.assert_close(got.double(), ref, **tol)
+    qv, kv, vv = (torch.cat([t, t], -1)[..., : t.shape[-1]] for t in (q, k, v))
+    again, _ = ops.panel_sinkhorn(qv, kv, vv, None, None, iters, 0.35, panel)
+    torch.testing.assert_close(again, got, atol=0, rtol=0)
+
+
+@needs_kernels
+def test_panel_sinkhorn_leaves_underflowing_and_loose_heads_to_held_attend(monkeypatch):
+    """Head 0: query 1 scores 0 with every key while query 0 scores 50-150 (its row sum underflows);
+    head 1: a loose column bound (query 0 = 100 e_1). panel_sinkhorn leaves both (done False), head 2
+    (ordinary) it does; attend's Sinkhorn gives all three, through held_attend for the first two,
+    equal to the float64 reference."""
+    gen = torch.Generator().manual_seed(6)
+    k0 = torch.cat([0.5 + torch.rand(40, 1, generator=gen), torch.zeros(40, 1)], -1)
+    q0 = torch.zeros(40, 2)
+    q0[0, 0], q0[2] = 100.0, torch.tensor([30.0, 1.0])
+    q1 = torch.randn(40, 2, generator=gen)
+    q1[0] = torch.tensor([100.0, 0.0])
+    q, k = torch.stack([q0, q1, torch.randn(40, 2, generator=gen)]), torch.stack([k0, *torch.randn(2, 40, 2)])
+    v = torch.randn(3, 40, 3, generator=gen)
+    _, done = ops.panel_sinkhorn(q, k, v, None, None, 3, 1.0, 0)
+    assert done.tolist() == [False, False, True]
+    calls = _op_spy(monkeypatch)
+    with torch.no_grad():
+        out = attnlab.attend(q[None], k[None], v[None], "sinkhorn", iters=3, scale=1.0)[0]
+    assert calls == ["panel_sinkhorn", "held_attend"]
+    ones = torch.ones(3, 40, dtype=torch.bool)
+    ref = _held_reference(q, k, v, ones, ones, "sinkhorn", 1.0, iters=3)
+    assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)

@@ -1,9 +1,12 @@
-// Bound-shifted column panels, shared by panel_cpu.cpp (DNAS) and hnas_cpu.cpp (HNAS): a bound
+// Bound-shifted column panels, shared by panel_cpu.cpp (DNAS), hnas_cpu.cpp (HNAS) and
+// sinkhorn_panels_cpu.cpp (Sinkhorn): a bound
 // b_j >= max_i s_ij per column from the norms of q and k, taken before any score, so that one sweep
 // x_ij = exp(s_ij - b_j) <= 1 gives a column chunk's sums z_j with no sweep for maxima, and
 // c_j = b_j + log z_j is the column's log-sum-exp (Eq. 5's normalizer).
 #pragma once
 #include "kernel_common.h"
+
+#include <atomic>
 
 namespace {
 
@@ -122,6 +125,52 @@ bool chunk_factors(const T* bndJ, const T* b, const T* z, int64_t cw, T* f, T* c
     }
   }
   return loose;
+}
+
+// Keys per chunk for panels of at most elems elements of M rows: >= 16, a multiple of 16 below N.
+inline int64_t panel_keys(int64_t M, int64_t N, int64_t elems) {
+  int64_t C = std::min<int64_t>(N, std::max<int64_t>(16, elems / std::max<int64_t>(M, 1)));
+  if (C < N) C = std::max<int64_t>(16, C / 16 * 16);
+  return C;
+}
+
+// Phase A of the held panels (hnas_cpu.cpp, sinkhorn_panels_cpu.cpp): one head's column chunks of C
+// keys in parallel, chunk J's panel x (M x cw) at held + j0 M (chunk-major), its score tiles through an
+// L2 scratch tile first (with BLAS writing straight into the fresh buffer, perf put 8 % of HNAS's time
+// in MKL's pass over its output); f, c (N) the column factors and log-sum-exps (chunk_factors); part
+// (threads x 2M, zeroed here) gets each thread's row sums td_i = sum_j x_ij f_j (its first M, taken
+// while the chunk's panel is in cache) and, with h (N), tu_i = sum_j x_ij h_j (its next M, taken in the
+// exponential sweep). False when some column's bound is loose (then nothing else is valid).
+template <typename T>
+bool held_panels(const T* q, int64_t sq_m, int64_t M, const T* k, int64_t sk_n, int64_t N, int64_t D, T scale,
+                 const T* kb, const char* row_ok, const T* bnd, int64_t C, T* held, T* f, T* c, const T* h,
+                 std::vector<T>& part) {
+  const int64_t nc = (N + C - 1) / C, R = std::max<int64_t>(8, std::min<int64_t>(M, (1 << 16) / C));
+  std::fill(part.begin(), part.end(), T(0));
+  std::atomic<bool> loose{false};
+  at::parallel_for(0, nc, 1, [&](int64_t begin, int64_t end) {
+    SerialBlas serial;
+    T* td = part.data() + at::get_thread_num() * 2 * M;
+    std::vector<T> z(C), b(C), tile(R * C);
+    for (int64_t J = begin; J < end && !loose; ++J) {
+      const int64_t j0 = J * C, cw = std::min(C, N - j0);
+      T* x = held + j0 * M;
+      bound_panel(q, sq_m, M, k + j0 * sk_n, sk_n, cw, D, scale, kb ? kb + j0 : nullptr, bnd + j0, row_ok, R, x,
+                  z.data(), b.data(), tile.data(), h ? h + j0 : nullptr, h ? td + M : nullptr);
+      if (chunk_factors(bnd + j0, b.data(), z.data(), cw, f + j0, c + j0)) {
+        loose = true;
+        break;
+      }
+      const T* fj = f + j0;
+      for (int64_t i = 0; i < M; ++i) {
+        const T* row = x + i * cw;
+        T sd = 0;
+        for (int64_t j = 0; j < cw; ++j) sd += row[j] * fj[j];
+        td[i] += sd;
+      }
+    }
+  });
+  return !loose;
 }
 
 }  // namespace

@@ -21,13 +21,12 @@
 // below every column's log-sum-exp) is recomputed from its scores, exactly.
 #include "bounds.h"
 
-#include <atomic>
 #include <memory>
 
 namespace {
 
-// Rows x keys of one phase-A tile (in L2), and phase B's rows per block and keys per value product.
-constexpr int64_t kHnasTile = 1 << 16, kHnasRows = 64, kHnasKeys = 1024;
+// Phase B's rows per block and keys per value product.
+constexpr int64_t kHnasRows = 64, kHnasKeys = 1024;
 
 template <typename T>
 struct HnasProblem {
@@ -57,8 +56,7 @@ void exact_hnas_row(const HnasProblem<T>& p, int64_t bh, int64_t i, const T* c, 
 template <typename T>
 bool hnas_head(const HnasProblem<T>& p, int64_t bh, int64_t C, T* held, std::vector<T>& part) {
   const T ninf = -std::numeric_limits<T>::infinity();
-  const int64_t M = p.M, N = p.N, Dv = p.Dv, nc = (N + C - 1) / C, threads = at::get_num_threads();
-  const int64_t R = std::max<int64_t>(8, std::min<int64_t>(M, kHnasTile / C));
+  const int64_t M = p.M, N = p.N, Dv = p.Dv, threads = at::get_num_threads();
   const T* q = p.q + bh * p.sq_bh;
   const T* k = p.k + bh * p.sk_bh;
   const T* kb = p.kb ? p.kb + bh * N : nullptr;
@@ -74,37 +72,10 @@ bool hnas_head(const HnasProblem<T>& p, int64_t bh, int64_t C, T* held, std::vec
     return true;
   }
   for (int64_t j = 0; j < N; ++j) h[j] = exp_nonpos(bnd[j] - B);  // bnd = -inf: 0
-  // scale q k^T through q: BLAS would scale each product tile by alpha in a pass of its own
-  std::vector<T> qs(M * p.D);
-  for (int64_t i = 0; i < M; ++i)
-    for (int64_t d = 0; d < p.D; ++d) qs[i * p.D + d] = p.scale * q[i * p.sq_m + d];
   // phase A: panels, column factors, per-thread row sums (td, tu) in part (threads x 2M)
-  std::fill(part.begin(), part.end(), T(0));
-  std::atomic<bool> loose{false};
-  at::parallel_for(0, nc, 1, [&](int64_t begin, int64_t end) {
-    SerialBlas serial;
-    T* td = part.data() + at::get_thread_num() * 2 * M;
-    T* tu = td + M;
-    std::vector<T> z(C), b(C), tile(R * C);
-    for (int64_t J = begin; J < end && !loose; ++J) {
-      const int64_t j0 = J * C, cw = std::min(C, N - j0);
-      T* x = held + j0 * M;  // chunk J's panel: M x cw
-      bound_panel(qs.data(), p.D, M, k + j0 * p.sk_n, p.sk_n, cw, p.D, T(1), kb ? kb + j0 : nullptr,
-                  bnd.data() + j0, row_ok.data(), R, x, z.data(), b.data(), tile.data(), h.data() + j0, tu);
-      if (chunk_factors(bnd.data() + j0, b.data(), z.data(), cw, f.data() + j0, c.data() + j0)) {
-        loose = true;
-        break;
-      }
-      const T* fj = f.data() + j0;
-      for (int64_t i = 0; i < M; ++i) {
-        const T* row = x + i * cw;
-        T sd = 0;
-        for (int64_t j = 0; j < cw; ++j) sd += row[j] * fj[j];
-        td[i] += sd;
-      }
-    }
-  });
-  if (loose) return false;
+  if (!held_panels(q, p.sq_m, M, k, p.sk_n, N, p.D, p.scale, kb, row_ok.data(), bnd.data(), C, held, f.data(),
+                   c.data(), h.data(), part))
+    return false;
   std::vector<T> a1(M), a2(M);
   std::vector<int64_t> exact;  // rows from their scores (rare)
   for (int64_t i = 0; i < M; ++i) {
@@ -173,9 +144,7 @@ std::tuple<at::Tensor, at::Tensor> panel_hnas(const at::Tensor& q, const at::Ten
                            data_or_null<scalar_t>(kb), data_or_null<scalar_t>(rb), uu.data_ptr<scalar_t>(),
                            out.data_ptr<scalar_t>(), z.BH, z.M, z.N, z.D, z.Dv, q.stride(0), q.stride(1),
                            k.stride(0), k.stride(1), v.stride(0), v.stride(1), (scalar_t)scale};
-    const int64_t elems = panel_bytes / (int64_t)sizeof(scalar_t);
-    int64_t C = std::min<int64_t>(z.N, std::max<int64_t>(16, elems / z.M));
-    if (C < z.N) C = std::max<int64_t>(16, C / 16 * 16);
+    const int64_t C = panel_keys(z.M, z.N, panel_bytes / (int64_t)sizeof(scalar_t));
     std::unique_ptr<scalar_t[]> held(new scalar_t[z.M * z.N]);
     std::vector<scalar_t> part(at::get_num_threads() * 2 * z.M);
     bool* d = done.data_ptr<bool>();

@@ -212,8 +212,7 @@ template <typename T>
 void panel_impl(const PanelProblem<T>& p, int64_t panel_elems) {
   const T ninf = -std::numeric_limits<T>::infinity();
   const int64_t M = p.M, N = p.N, Dv = p.Dv, BH = p.BH;
-  int64_t C = std::min<int64_t>(N, std::max<int64_t>(16, panel_elems / M));
-  if (C < N) C = std::max<int64_t>(16, C / 16 * 16);
+  const int64_t C = panel_keys(M, N, panel_elems);
   const int64_t R = std::max<int64_t>(8, std::min<int64_t>(M, kTileElems / C));
   const int64_t nt = (M + R - 1) / R, nc = (N + C - 1) / C;
   const int64_t threads = at::get_num_threads();

@@ -171,9 +171,10 @@ def _ops_and_weights(u, q):
 def held_kernel(q, k, v, mask, scale, u=None, iters: int = 1):
     """DNAS (u None, iters 1), HNAS (u, one weight per (batch, head) or a number) or Sinkhorn (iters
     rounds) attention through kernels.held_attend: each head's scores computed once and held (one
-    score product, one exponential per score, one value product); HNAS through kernels.panel_hnas
-    (the held scores bound-shifted and in column panels, written once and read once; heads where a
-    column's bound is loose go to held_attend). None where it does not apply (one head over
+    score product, one exponential per score, one value product); HNAS and Sinkhorn through
+    kernels.panel_hnas / panel_sinkhorn (the held scores bound-shifted and in column panels, written
+    once and read once per round; heads where a column's bound is loose, or a sum leaves the float
+    range, go to held_attend). None where it does not apply (one head over
     HELD_HEAD_BYTES, u varying within a head, and the conditions of :func:`applies`)."""
     if v.shape[-1] == 0 or not applies(q, k, mask, needs_grad(q, k, v, u)):
         return None
@@ -187,8 +188,13 @@ def held_kernel(q, k, v, mask, scale, u=None, iters: int = 1):
     ops, weights = found
     key_bias, row_bias = separable_biases(q, k, mask)
     qf, kf, vf = heads_flat(q), heads_flat(k), heads_flat(v)
-    if weights is not None and PANEL_BYTES > 0:  # HNAS: bound-shifted panels, written once, read once
-        out, done = ops.panel_hnas(qf, kf, vf, key_bias, row_bias, weights, scale, PANEL_BYTES)
+    panels = None  # HNAS and Sinkhorn(k >= 2): bound-shifted panels, written once, read once (a round)
+    if PANEL_BYTES > 0 and weights is not None:
+        panels = ops.panel_hnas(qf, kf, vf, key_bias, row_bias, weights, scale, PANEL_BYTES)
+    elif PANEL_BYTES > 0 and iters > 1:
+        panels = ops.panel_sinkhorn(qf, kf, vf, key_bias, row_bias, iters, scale, PANEL_BYTES)
+    if panels is not None:
+        out, done = panels
         redo = (~done).nonzero().flatten()
         if redo.numel():  # heads with a loose column bound: held_attend, exactly
             def pick(t):
