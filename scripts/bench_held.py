@@ -1,9 +1,8 @@
 """Column-panel and held-scores kernels against the previous paths, in one run: ``attnlab.attend`` with
-``kernel_paths.PANEL_BYTES`` and ``HELD_HEAD_BYTES`` at their values ("panel" for DNAS: column panels;
-"held" for HNAS and Sinkhorn), with the panels off ("held": DNAS through held_attend) or with both off
-("before": column LSE + SDPA, mix_attend, the per-thread Sinkhorn kernel), interleaved rounds, medians
-of wall and CPU time, ratios to SDPA (with the same key-padding mask for "+keymask"). B=1, H=12, D=64,
-float32, no grad.
+``kernel_paths.PANEL_BYTES`` and ``HELD_HEAD_BYTES`` at their values ("panel": panel_dnas, panel_hnas,
+panel_sinkhorn), with the panels off ("held": held_attend) or with both off ("before": column LSE +
+SDPA, mix_attend, the per-thread Sinkhorn kernel), interleaved rounds, medians of wall and CPU time,
+ratios to SDPA (with the same key-padding mask for "+keymask"). B=1, H=12, D=64, float32, no grad.
 
     python scripts/bench_held.py 1024,2048,4096 5      # sizes, rounds
 """
@@ -37,8 +36,7 @@ def timed(S: int, reps: int) -> None:
     cases = {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v),
              "sdpa+keymask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=keys)}
     for name, var, kw in (*VARIANTS, ("dnas+keymask", "dnas", {"mask": keys})):
-        if var == "dnas":
-            cases[name + " panel"] = case(var, True, True, **kw)
+        cases[name + " panel"] = case(var, True, True, **kw)
         cases[name + " held"] = case(var, True, False, **kw)
         cases[name + " before"] = case(var, False, False, **kw)
     wall = {n: [] for n in cases}

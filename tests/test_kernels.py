@@ -607,8 +607,12 @@ def test_panel_hnas_rows_below_the_shift_and_loose_heads_are_exact(monkeypatch):
     torch.testing.assert_close(got[0].double(), ref[0], atol=2e-5, rtol=2e-5)
     calls = _op_spy(monkeypatch)
     with torch.no_grad():
+        small = attnlab.attend(q[None], k[None], v[None], "hnas", u=u.view(1, 2, 1, 1), scale=1.0)[0]
+        assert calls == ["held_attend"]  # heads under PANEL_HELD_MIN_SCORES: held_attend alone
+        monkeypatch.setattr(nz.kernel_paths, "PANEL_HELD_MIN_SCORES", 0)
         out = attnlab.attend(q[None], k[None], v[None], "hnas", u=u.view(1, 2, 1, 1), scale=1.0)[0]
-    assert calls == ["panel_hnas", "held_attend"]
+    assert calls[1:] == ["panel_hnas", "held_attend"]
+    torch.testing.assert_close(small, out, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
 
 
@@ -656,6 +660,7 @@ def test_panel_sinkhorn_leaves_underflowing_and_loose_heads_to_held_attend(monke
     _, done = ops.panel_sinkhorn(q, k, v, None, None, 3, 1.0, 0)
     assert done.tolist() == [False, False, True]
     calls = _op_spy(monkeypatch)
+    monkeypatch.setattr(nz.kernel_paths, "PANEL_HELD_MIN_SCORES", 0)  # these 40 x 40 heads take the panels
     with torch.no_grad():
         out = attnlab.attend(q[None], k[None], v[None], "sinkhorn", iters=3, scale=1.0)[0]
     assert calls == ["panel_sinkhorn", "held_attend"]

@@ -26,6 +26,13 @@ HELD_HEAD_BYTES = 128 * 2**20
 # 2-core Zen 3 machine 1 MiB and 0.5 MiB panels ran at 1.00-1.10x SDPA, 2 MiB at 1.04-1.21x, 8 MiB at
 # 1.3-1.37x (docs/BENCHMARKS.md): a panel near the L2 keeps the second pass off a shared L3.
 PANEL_BYTES = 1 * 2**20
+# HNAS and Sinkhorn(k >= 2) take the held panels (kernels.panel_hnas / panel_sinkhorn: one head at a
+# time, the head's buffer written once and read once per round) from heads of this many scores on;
+# smaller heads take held_attend, which holds several heads at once and whose extra passes stay in
+# cache there (12 heads, D = 64, medians: S = 512 held 1.06 / 1.14x SDPA for HNAS / Sinkhorn(3),
+# panels 1.66 / 1.82x; S = 768 1.56 / 1.53x against 1.59 / 2.15x; S = 1024 even; S = 2048 and 4096
+# the panels 5-17 % faster, docs/BENCHMARKS.md).
+PANEL_HELD_MIN_SCORES = 1024 * 1024
 # The older whole-head Sinkhorn kernel (one head per thread) within this many bytes in all; it runs
 # only where held_attend does not apply.
 SINKHORN_HEAD_BYTES = 256 * 2**20
@@ -174,8 +181,9 @@ def held_kernel(q, k, v, mask, scale, u=None, iters: int = 1):
     score product, one exponential per score, one value product); HNAS and Sinkhorn through
     kernels.panel_hnas / panel_sinkhorn (the held scores bound-shifted and in column panels, written
     once and read once per round; heads where a column's bound is loose, or a sum leaves the float
-    range, go to held_attend). None where it does not apply (one head over
-    HELD_HEAD_BYTES, u varying within a head, and the conditions of :func:`applies`)."""
+    range, go to held_attend) for heads of PANEL_HELD_MIN_SCORES scores or more. None where it does
+    not apply (one head over HELD_HEAD_BYTES, u varying within a head, and the conditions of
+    :func:`applies`)."""
     if v.shape[-1] == 0 or not applies(q, k, mask, needs_grad(q, k, v, u)):
         return None
     B, H, M, _ = q.shape
@@ -189,9 +197,10 @@ def held_kernel(q, k, v, mask, scale, u=None, iters: int = 1):
     key_bias, row_bias = separable_biases(q, k, mask)
     qf, kf, vf = heads_flat(q), heads_flat(k), heads_flat(v)
     panels = None  # HNAS and Sinkhorn(k >= 2): bound-shifted panels, written once, read once (a round)
-    if PANEL_BYTES > 0 and weights is not None:
+    big = PANEL_BYTES > 0 and M * N >= PANEL_HELD_MIN_SCORES
+    if big and weights is not None:
         panels = ops.panel_hnas(qf, kf, vf, key_bias, row_bias, weights, scale, PANEL_BYTES)
-    elif PANEL_BYTES > 0 and iters > 1:
+    elif big and iters > 1:
         panels = ops.panel_sinkhorn(qf, kf, vf, key_bias, row_bias, iters, scale, PANEL_BYTES)
     if panels is not None:
         out, done = panels
