@@ -44,25 +44,11 @@ struct HeldProblem {
   T scale;
 };
 
-// The scores of one query row, s_j + key_bias_j, into x (N).
+// The scores of query row i of head bh, s_j + key_bias_j, into x (N).
 template <typename T>
 void row_scores(const HeldProblem<T>& p, int64_t bh, int64_t i, T* x) {
-  gemm_abt(1, p.N, p.D, p.scale, p.q + bh * p.sq_bh + i * p.sq_m, p.sq_m, p.k + bh * p.sk_bh, p.sk_n, T(0),
-           x, p.N);
-  if (p.kb) {
-    const T* kb = p.kb + bh * p.N;
-    for (int64_t j = 0; j < p.N; ++j) x[j] += kb[j];
-  }
-}
-
-// softmax_j(x_j - c_j) in place (c_j = -inf marks a column without valid entries); all 0 when no
-// entry is valid.
-template <typename T>
-void exact_row(T* x, const T* c, int64_t n) {
-  const T ninf = -std::numeric_limits<T>::infinity();
-  for (int64_t j = 0; j < n; ++j) x[j] = c[j] == ninf ? ninf : x[j] - c[j];
-  const T inv = exp_row(x, n);
-  for (int64_t j = 0; j < n; ++j) x[j] = inv == T(0) ? T(0) : x[j] * inv;
+  row_scores(p.q + bh * p.sq_bh + i * p.sq_m, p.k + bh * p.sk_bh, p.sk_n, p.N, p.D, p.scale,
+             p.kb ? p.kb + bh * p.N : nullptr, x);
 }
 
 template <typename T>
@@ -253,14 +239,11 @@ void held_impl(const HeldProblem<T>& p, int64_t budget_elems) {
           exact.resize(exact.size() + N);
           T* wr = exact.data() + exact_at[i] * N;
           row_scores(p, bh, i0 + i, x.data());
-          std::copy(x.begin(), x.end(), y.begin());
-          exact_row(x.data(), cp, N);
-          if (!p.u) {
-            std::copy(x.begin(), x.end(), wr);
-            continue;
-          }
-          const T inv = exp_row(y.data(), N);
-          for (int64_t j = 0; j < N; ++j) wr[j] = uu * x[j] + (inv == T(0) ? T(0) : (T(1) - uu) * y[j] * inv);
+          if (p.u)
+            exact_mix_row(x.data(), y.data(), cp, N, uu);
+          else
+            exact_row(x.data(), cp, N);
+          std::copy(x.begin(), x.end(), wr);
         }
         for (int64_t j0 = 0; j0 < N; j0 += CT) {
           const int64_t cw = std::min(CT, N - j0);

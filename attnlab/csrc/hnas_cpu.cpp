@@ -36,20 +36,14 @@ struct HnasProblem {
   T scale;
 };
 
-// Row i of head bh exactly: pi = u softmax_j(s_ij - c_j) + (1 - u) softmax_j(s_ij), out_i = pi v.
+// Row i of head bh exactly (exact_mix_row): pi = u softmax_j(s_ij - c_j) + (1 - u) softmax_j(s_ij),
+// out_i = pi v.
 template <typename T>
 void exact_hnas_row(const HnasProblem<T>& p, int64_t bh, int64_t i, const T* c, T uu, T* x, T* y, T* o) {
-  const T ninf = -std::numeric_limits<T>::infinity();
-  const int64_t N = p.N;
-  gemm_abt(1, N, p.D, p.scale, p.q + bh * p.sq_bh + i * p.sq_m, p.sq_m, p.k + bh * p.sk_bh, p.sk_n, T(0), x, N);
-  for (int64_t j = 0; j < N; ++j) {
-    const T s = p.kb ? x[j] + p.kb[bh * N + j] : x[j];
-    y[j] = s;
-    x[j] = c[j] == ninf ? ninf : s - c[j];
-  }
-  const T id = exp_row(x, N), iu = exp_row(y, N);
-  for (int64_t j = 0; j < N; ++j) x[j] = (id == T(0) ? T(0) : uu * x[j] * id) + (iu == T(0) ? T(0) : (T(1) - uu) * y[j] * iu);
-  gemm_ab(1, p.Dv, N, x, N, p.v + bh * p.sv_bh, p.sv_n, o, p.Dv);
+  row_scores(p.q + bh * p.sq_bh + i * p.sq_m, p.k + bh * p.sk_bh, p.sk_n, p.N, p.D, p.scale,
+             p.kb ? p.kb + bh * p.N : nullptr, x);
+  exact_mix_row(x, y, c, p.N, uu);
+  gemm_ab(1, p.Dv, p.N, x, p.N, p.v + bh * p.sv_bh, p.sv_n, o, p.Dv);
 }
 
 // One head; false where a column's bound was loose (nothing written to its rows then).

@@ -115,6 +115,36 @@ inline void add_row_step(T* x, int64_t n, T* acc) {
   for (int64_t j = 0; j < n; ++j) acc[j] += x[j] * inv;
 }
 
+// The scores of one query row q_i (D) against k (N x D, row stride sk_n): x_j = scale q_i.k_j + kb_j
+// (kb null: no key bias), by BLAS -- the kernels' rare exact paths for one row.
+template <typename T>
+void row_scores(const T* qi, const T* k, int64_t sk_n, int64_t N, int64_t D, T scale, const T* kb, T* x) {
+  gemm_abt(1, N, D, scale, qi, D, k, sk_n, T(0), x, N);
+  if (kb)
+    for (int64_t j = 0; j < N; ++j) x[j] += kb[j];
+}
+
+// softmax_j(x_j - c_j) in place (c_j = -inf marks a column without valid entries): DNAS's row from
+// its scores. All 0, and false, when no entry is valid.
+template <typename T>
+bool exact_row(T* x, const T* c, int64_t n) {
+  const T ninf = -std::numeric_limits<T>::infinity();
+  for (int64_t j = 0; j < n; ++j) x[j] = c[j] == ninf ? ninf : x[j] - c[j];
+  const T inv = exp_row(x, n);
+  for (int64_t j = 0; j < n; ++j) x[j] = inv == T(0) ? T(0) : x[j] * inv;
+  return inv != T(0);
+}
+
+// HNAS's row from its scores x (overwritten; y: scratch of n): u softmax_j(x_j - c_j) + (1 - u)
+// softmax_j(x_j) (Eq. 12).
+template <typename T>
+void exact_mix_row(T* x, T* y, const T* c, int64_t n, T u) {
+  std::copy(x, x + n, y);
+  exact_row(x, c, n);
+  const T inv = exp_row(y, n);
+  for (int64_t j = 0; j < n; ++j) x[j] = u * x[j] + (inv == T(0) ? T(0) : (T(1) - u) * y[j] * inv);
+}
+
 // Floor under which a row's sum is recomputed from the scores (see mix_attend_impl, held_cpu.cpp).
 template <typename T> constexpr T kTiny = T(1e-20);
 template <> constexpr double kTiny<double> = 1e-280;

@@ -26,10 +26,6 @@
 
 namespace {
 
-// Rows x keys of one tile: 2^16 elements (256 KiB of float) stay in L2 with k_J and v_J. Measured on
-// the 2-core Zen 3 machine under load (CPU time, S = 2048): 2^14 / 2^15 / 2^16 / 2^17 gave
-// 1.0-1.7 / 1.32-1.38 / 1.20-1.21 / 1.25-1.28x SDPA.
-constexpr int64_t kTileElems = 1 << 16;
 // Rows of one value product in pass 2 (R2 x C of the panel): fewer, larger BLAS calls than the tiles.
 constexpr int64_t kValueRows = 1024;
 
@@ -176,7 +172,6 @@ void accumulate(const PanelProblem<T>& p, int64_t bh, int64_t ja, int64_t jb, in
 template <typename T>
 void finalize(const PanelProblem<T>& p, int64_t bh, const char* row_ok, const T* acc, const T* r,
               const T* c, T* o) {
-  const T ninf = -std::numeric_limits<T>::infinity();
   const int64_t N = p.N, Dv = p.Dv;
   std::vector<T> x;
   for (int64_t i = 0; i < p.M; ++i) {
@@ -192,18 +187,12 @@ void finalize(const PanelProblem<T>& p, int64_t bh, const char* row_ok, const T*
     }
     // rare: softmax_j(s_ij - c_j) from the row's scores (all 0 when no key is valid)
     x.resize(N);
-    gemm_abt(1, N, p.D, p.scale, p.q + bh * p.sq_bh + i * p.sq_m, p.sq_m, p.k + bh * p.sk_bh, p.sk_n, T(0),
-             x.data(), N);
-    for (int64_t j = 0; j < N; ++j) {
-      const T b = p.kb ? p.kb[bh * N + j] : T(0);
-      x[j] = (c[j] == ninf || b == ninf) ? ninf : x[j] + b - c[j];
-    }
-    const T inv = exp_row(x.data(), N);
-    if (inv == T(0)) {
+    row_scores(p.q + bh * p.sq_bh + i * p.sq_m, p.k + bh * p.sk_bh, p.sk_n, N, p.D, p.scale,
+               p.kb ? p.kb + bh * N : nullptr, x.data());
+    if (!exact_row(x.data(), c, N)) {
       std::fill(oi, oi + Dv, T(0));
       continue;
     }
-    for (int64_t j = 0; j < N; ++j) x[j] *= inv;
     gemm_ab(1, Dv, N, x.data(), N, p.v + bh * p.sv_bh, p.sv_n, oi, Dv);
   }
 }

@@ -166,6 +166,18 @@ def sinkhorn_heads_kernel(q, k, v, mask, scale, ctx):
 
 
 
+def _operands(q, k, v, mask, u=None):
+    """(the CPU kernels, q, k, v as (B*H, L, D), key_bias, row_bias) for a kernel call, or None where
+    the kernels do not apply: Dv = 0 (BLAS refuses a leading dimension of 0; PyTorch's path gives the
+    empty output), the conditions of :func:`applies`, or not built."""
+    if v.shape[-1] == 0 or not applies(q, k, mask, needs_grad(q, k, v, u)):
+        return None
+    ops = cpu_ops()
+    if ops is None:
+        return None
+    return (ops, heads_flat(q), heads_flat(k), heads_flat(v), *separable_biases(q, k, mask))
+
+
 def _ops_and_weights(u, q):
     """(the CPU kernels, u as one weight per (batch, head) or None) or None: not built, or u not one
     weight per head."""
@@ -174,6 +186,7 @@ def _ops_and_weights(u, q):
         return None
     ops = cpu_ops()
     return None if ops is None else (ops, weights)
+
 
 def held_kernel(q, k, v, mask, scale, u=None, iters: int = 1):
     """DNAS (u None, iters 1), HNAS (u, one weight per (batch, head) or a number) or Sinkhorn (iters
@@ -184,18 +197,15 @@ def held_kernel(q, k, v, mask, scale, u=None, iters: int = 1):
     range, go to held_attend) for heads of PANEL_HELD_MIN_SCORES scores or more. None where it does
     not apply (one head over HELD_HEAD_BYTES, u varying within a head, and the conditions of
     :func:`applies`)."""
-    if v.shape[-1] == 0 or not applies(q, k, mask, needs_grad(q, k, v, u)):
-        return None
     B, H, M, _ = q.shape
     N = k.shape[-2]
     if M * N * q.element_size() > HELD_HEAD_BYTES:
         return None
-    found = _ops_and_weights(u, q)
-    if found is None:
+    found = _operands(q, k, v, mask, u)
+    weights = None if u is None or found is None else head_weights(u, q)
+    if found is None or (u is not None and weights is None):
         return None
-    ops, weights = found
-    key_bias, row_bias = separable_biases(q, k, mask)
-    qf, kf, vf = heads_flat(q), heads_flat(k), heads_flat(v)
+    ops, qf, kf, vf, key_bias, row_bias = found
     panels = None  # HNAS and Sinkhorn(k >= 2): bound-shifted panels, written once, read once (a round)
     big = PANEL_BYTES > 0 and M * N >= PANEL_HELD_MIN_SCORES
     if big and weights is not None:
@@ -220,15 +230,12 @@ def panel_kernel(q, k, v, mask, scale):
     """DNAS attention through kernels.panel_dnas (column panels of PANEL_BYTES per thread: one score
     product, one exponential per score, one value product); None where it does not apply (the
     conditions of :func:`applies`, PANEL_BYTES = 0)."""
-    if PANEL_BYTES <= 0 or v.shape[-1] == 0 or not applies(q, k, mask, needs_grad(q, k, v)):
-        return None  # (Dv = 0: BLAS refuses a leading dimension of 0; PyTorch's path gives the empty out)
-    ops = cpu_ops()
-    if ops is None:
+    found = _operands(q, k, v, mask) if PANEL_BYTES > 0 else None
+    if found is None:
         return None
-    B, H, M, _ = q.shape
-    key_bias, row_bias = separable_biases(q, k, mask)
-    out = ops.panel_dnas(heads_flat(q), heads_flat(k), heads_flat(v), key_bias, row_bias, scale, PANEL_BYTES)
-    return out.view(B, H, M, v.shape[-1])
+    ops, qf, kf, vf, key_bias, row_bias = found
+    out = ops.panel_dnas(qf, kf, vf, key_bias, row_bias, scale, PANEL_BYTES)
+    return out.view(*q.shape[:3], v.shape[-1])
 
 
 def causal_kernel(q, k, v, mask, scale):
@@ -236,16 +243,12 @@ def causal_kernel(q, k, v, mask, scale):
     running prefix maximum and sum carried down the rows); None where it does not apply (the
     conditions of :func:`applies`) or where some row's weights underflowed (the kernel's ``redo``):
     then the exact blocked path."""
-    if v.shape[-1] == 0 or not applies(q, k, mask, needs_grad(q, k, v)):
+    found = _operands(q, k, v, mask)
+    if found is None:
         return None
-    ops = cpu_ops()
-    if ops is None:
-        return None
-    B, H, M, _ = q.shape
-    key_bias, row_bias = separable_biases(q, k, mask)
-    out, redo = ops.causal_dnas(heads_flat(q), heads_flat(k), heads_flat(v), key_bias, row_bias, scale,
-                                LSE_FLOOR)
-    return None if bool(redo.any()) else out.view(B, H, M, v.shape[-1])
+    ops, qf, kf, vf, key_bias, row_bias = found
+    out, redo = ops.causal_dnas(qf, kf, vf, key_bias, row_bias, scale, LSE_FLOOR)
+    return None if bool(redo.any()) else out.view(*q.shape[:3], v.shape[-1])
 
 
 def train_forward(q, k, v, mask, u, scale):
