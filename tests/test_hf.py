@@ -853,6 +853,55 @@ def test_a_registered_variant_with_a_fused_normalizer_takes_the_fused_path(minil
         specs.unregister_variant("toy_dnas")
 
 
+@pytest.mark.parametrize("iters", [1, 3])
+def test_kernel_computes_wide_heads_in_log_space(monkeypatch, iters):
+    """A head whose DNAS and Sinkhorn mass comes from entries ~200 nats below their rows' maxima
+    (exp(s - max) is 0 in float32 there: the linear passes would lose them) takes the kernel's log-space
+    path (analysis_wide.h; the kernel says so, no PyTorch fallback runs), and its weights and every row
+    sum match float64 references computed from the weights, next to a linear head."""
+    from attnlab import kernels
+    from attnlab.hf import fused_sums
+    from attnlab.stats import distance_matrix
+    from attnlab.stats.engine import row_sums_dict
+
+    ops = kernels.analysis_ops()
+    if ops is None:
+        pytest.skip(f"attnlab's CPU kernels not available: {kernels.build_error()}")
+    linear = {}
+
+    class Spy:
+        def head(self, *args):
+            head = 0 if float(args[0][0, 0]) == 10.0 else 1  # args[0]: the head's q
+            linear[head] = ops.head(*args)
+            return linear[head]
+
+    monkeypatch.setattr(kernels, "analysis_ops", lambda: Spy())
+    monkeypatch.setattr(fused_sums, "_wide_head", lambda *a: pytest.fail("PyTorch fallback ran"))
+    torch.manual_seed(5)
+    N = 37  # a tail after the whole vectors
+    q, k = torch.randn(1, 1, 2, N, 2), torch.randn(1, 1, 2, N, 2)
+    q[0, 0, 0, :, 0], k[0, 0, 0, :, 0] = 10.0, 0.0
+    k[0, 0, 0, 3, 0] = 20.0  # head 0: key 3 scores 200 above every other key of every row
+    special = torch.zeros(N, dtype=torch.bool)
+    special[[0, 3, N - 1]] = True
+    u = torch.tensor([0.3, 0.8])[None, None, :, None, None]
+    weights, sums = fused_sums.variants_with_sums(q, k, [1.0], KERNEL, u, iters, [special])
+    assert linear == {0: False, 1: True}
+    scores = torch.matmul(q, k.transpose(-1, -2)).double()[0]  # (1, 2, N, N)
+    params = {"hnas": {"u": u[0].double()}, "sinkhorn": {"iters": iters}}
+    ref = {v: attention_weights(scores, v, **params.get(v, {})) for v in KERNEL}
+    assert float(ref["dnas"][0, 0, :, 3].sum()) < 1.5  # dnas spreads the mass that unas gives key 3
+    dist = distance_matrix(N, N, scores)
+    for v in KERNEL:
+        torch.testing.assert_close(weights[v][0].double(), ref[v], atol=2e-6, rtol=1e-5, msg=v)
+        expected = row_sums_dict(ref[v].reshape(2, N, N), special[:, None], dist,
+                                 None if v == "unas" else ref["unas"].reshape(2, N, N))
+        for key, t in expected.items():
+            if t is not None:
+                got = sums[v][key].reshape(t.shape).double()
+                torch.testing.assert_close(got, t, atol=2e-5, rtol=1e-4, msg=f"{v} {key}")
+
+
 @pytest.mark.parametrize("scale", [0.003, 0.05, 0.6])
 def test_fused_js_distances_are_accurate_for_close_and_far_rows(scale):
     """The kernel's Jensen-Shannon terms (one logarithm each, ln x from the factors) against a float64

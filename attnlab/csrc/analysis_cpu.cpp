@@ -7,18 +7,18 @@
 // are asked for (ph, ps): the statistics come from this pass without writing any weights, and a
 // variant's weights, written later by the same call, have the same values (attnlab/hf/lazy_weights.py).
 //
-// q, k (N, D): the head's queries and keys; scores s = scale q k^T. Returns false, having written
-// nothing but s, when check_span and the scores span more than kLinearSpanMax nats (the caller
-// computes such a head in log space). Otherwise, with E_ij = exp(s_ij - max_j s_ij) (s and e hold
-// s - max and E afterwards), every variant is a diagonal scaling of E (DESIGN.md §2; Eq. numbers of
-// "Attention that does not Explain Away"):
+// q, k (N, D): the head's queries and keys; scores s = scale q k^T. Returns true for a linear head:
+// with E_ij = exp(s_ij - max_j s_ij) (s and e hold s - max and E afterwards), every variant is a
+// diagonal scaling of E (DESIGN.md §2; Eq. numbers of "Attention that does not Explain Away"):
 //   unas (1)      alpha_u,i E_ij                 alpha_u = 1 / (E 1)
 //   dnas (5)      alpha_d,i E_ij beta_d,j        beta_d = 1 / (rho^T E), rho_i = exp(row max - head max),
 //                                                alpha_d = 1 / (E beta_d)
 //   sinkhorn (10) a_i E_ij b_j                   first round = dnas's; then iters - 1 rounds of
 //                                                b = 1 / (a^T E), a = 1 / (E b)
 //   hnas (12)     lerp(unas, dnas, u)
-// and the outputs are (the layout of attnlab/hf/weights.py's _FusedBuffers, S = spec_t.size(0)):
+// A head is wide when check_span and its scores span more than kLinearSpanMax nats: then the same
+// outputs come from log space (analysis_wide.h, its layout: every factor 1) and the result is false.
+// The outputs are (the layout of attnlab/hf/weights.py's _FusedBuffers, S = spec_t.size(0)):
 //   alpha, beta (3, N)   (alpha_u, alpha_d, a), (1, beta_d, b)
 //   cols (3, N)          (alpha_u, alpha_d, a)^T E: column masses before the column factor
 //   dn_rows (N, 3 + 2S)  E @ [1, beta_d, beta_d ln beta_d, special, beta_d special]
@@ -30,55 +30,77 @@
 //                        d = (p - q)/(p + q), twice the Jensen-Shannon divergence in nats without
 //                        the cancellation of H(m) - (H(p) + H(q))/2 (when js_<variant>)
 // float32, contiguous. Single-threaded: the caller runs one head per thread.
-#include "analysis_vec.h"
+//
+// Passes over the head (N x N floats: s and e stay in the L3 cache, a row in L1):
+//   score_pass       a block of rows at a time while they are in L2: the scores (BLAS), their row
+//                    maxima, s - max, E and its row sums, DNAS's column sums
+//   dnas_pass        dn_rows (one sweep of each row for all its dot products), alpha_u, alpha_d, cols
+//   sinkhorn_rounds  the rounds after DNAS's, one row and one column step per sweep
+//   row_pass         Sinkhorn's last row step, then per row: the products of the entropies and
+//                    distances and the weights asked for; HNAS's terms; each Jensen-Shannon sum
+//                    (one sweep each, from L1, so that a sweep's accumulators fit the registers).
+// The ratios of the weights to the unas weights are known from the factors (x_v = alpha_v beta_v,j /
+// alpha_u, ln x_v likewise), so each logarithm term costs one logarithm: ln m for HNAS (m = h / p_u
+// = 1 - u + u x_d) and one per Jensen-Shannon sum (js_terms_x).
+#include "analysis_head.h"
+#include "analysis_wide.h"
+#include "kernel_common.h"
 
 #include <vector>
 
 namespace {
 
-constexpr int64_t kStats = 10;
+// rows per block of the score pass: at most 64, and 2 x 128 KiB of scores and exponentials (in L2)
+constexpr int64_t kBlockRows = 64, kBlockFloats = 32768;
 
-struct Head {
-  int64_t N, S;
-  float *s, *e, *alpha, *beta, *cols, *dn, *sk, *stats;
-  const float* spec_t;  // (S, N)
-  float *pu, *pd, *ph, *ps;
-  float u;
-  bool js_d, js_h, js_s;
-  bool want_h;  // hnas is analysed (its sums), whether or not its weights are written (ph)
-};
-
-// s -= row max; e = exp(s); r_i = sum_j e_ij -> dn[:, 0]; beta_d = 1 / sum_i rho_i e_ij
-void exp_pass(Head& h, const std::vector<float>& mu, float gmax) {
+// The score pass, a block of rows at a time while they are in L2: s = scale q k^T (BLAS), mu_i = max_j
+// s_ij, s -= mu, e = exp(s), r_i = sum_j e_ij -> dn[:, 0], and colsum_j = sum_i exp(mu_i - gmax) e_ij
+// (beta_d = 1 / colsum) with a running maximum for gmax; mu (N) the row maxima. False when check_span and
+// the scores span more than kLinearSpanMax nats (then dn[:, 0] and e are valid, beta_d is not).
+bool score_pass(Head& h, const float* q, int64_t ldq, const float* k, int64_t ldk, int64_t D, float scale,
+                bool check_span, float* mu) {
   const int64_t N = h.N, W = 3 + 2 * h.S;
-  float* colsum = h.beta + N;  // beta_d, accumulated then inverted
+  float* colsum = h.beta + N;
   std::fill(colsum, colsum + N, 0.f);
-  for (int64_t i = 0; i < N; ++i) {
-    float* sr = h.s + i * N;
-    float* er = h.e + i * N;
-    const Vec vmu(mu[i]);
-    const float rho = std::exp(mu[i] - gmax);
-    const Vec vrho(rho);
-    Vec acc(0.f);
-    int64_t j = 0;
-    for (; j + Vec::size() <= N; j += Vec::size()) {
-      const Vec S = Vec::loadu(sr + j) - vmu;
-      S.store(sr + j);
-      const Vec E = vexp(S);
-      E.store(er + j);
-      acc = acc + E;
-      at::vec::fmadd(E, vrho, Vec::loadu(colsum + j)).store(colsum + j);
+  float run = -std::numeric_limits<float>::infinity(), smin = std::numeric_limits<float>::infinity();
+  SerialBlas serial;
+  const int64_t rows = std::max<int64_t>(1, std::min(kBlockRows, kBlockFloats / std::max<int64_t>(N, 1)));
+  for (int64_t i0 = 0; i0 < N; i0 += rows) {
+    const int64_t R = std::min(rows, N - i0);
+    float* sb = h.s + i0 * N;
+    gemm_abt(R, N, D, scale, q + i0 * ldq, ldq, k, ldk, 0.f, sb, N);
+    float bmax = -std::numeric_limits<float>::infinity();
+    for (int64_t r = 0; r < R; ++r) {
+      mu[i0 + r] = reduce_max(sb + r * N, N);
+      if (check_span) smin = std::min(smin, reduce_min(sb + r * N, N));
+      bmax = std::max(bmax, mu[i0 + r]);
     }
-    float r = sum_of(acc);
-    for (; j < N; ++j) {
-      sr[j] -= mu[i];
-      er[j] = std::exp(sr[j]);
-      r += er[j];
-      colsum[j] += rho * er[j];
+    if (bmax > run) {  // colsum was relative to exp(run): rescale to the new maximum
+      if (i0 > 0) {
+        const float f = std::exp(run - bmax);
+        for (int64_t j = 0; j < N; ++j) colsum[j] *= f;
+      }
+      run = bmax;
     }
-    h.dn[i * W] = r;
+    for (int64_t r = 0; r < R; ++r) {
+      float* sr = sb + r * N;
+      float* er = h.e + (i0 + r) * N;
+      const float m = mu[i0 + r], rho = std::exp(m - run);
+      float sum = 0.f;
+      for (int64_t j = 0; j < N; ++j) {  // vectorized by the compiler (exp_nonpos is branch-free)
+        const float x = sr[j] - m;
+        const float ex = exp_nonpos(x);
+        sr[j] = x;
+        er[j] = ex;
+        sum += ex;
+        colsum[j] += rho * ex;
+      }
+      h.dn[(i0 + r) * W] = sum;
+    }
   }
+  if (check_span && run - smin > kLinearSpanMax) return false;
   for (int64_t j = 0; j < N; ++j) colsum[j] = 1.f / colsum[j];
+  return true;
 }
 
 // dn_rows[:, 1:] and alpha_u, alpha_d; cols[0:2] = (alpha_u, alpha_d)^T E
@@ -89,22 +111,22 @@ void dnas_pass(Head& h) {
   for (int64_t j = 0; j < N; ++j) blnb[j] = bd[j] * std::log(bd[j]);
   for (int64_t c = 0; c < S; ++c)
     for (int64_t j = 0; j < N; ++j) bspec[c * N + j] = bd[j] * h.spec_t[c * N + j];
+  std::vector<const float*> w{bd, blnb.data()};  // dn[:, 1], dn[:, 2], then the specials, then bspec
+  for (int64_t c = 0; c < S; ++c) w.push_back(h.spec_t + c * N);
+  for (int64_t c = 0; c < S; ++c) w.push_back(bspec.data() + c * N);
   float *cu = h.cols, *cd = h.cols + N;
   std::fill(cu, cu + 2 * N, 0.f);
   for (int64_t i = 0; i < N; ++i) {
     const float* er = h.e + i * N;
     float* d = h.dn + i * W;
-    d[1] = dot(er, bd, N);
-    d[2] = dot(er, blnb.data(), N);
-    for (int64_t c = 0; c < S; ++c) {
-      d[3 + c] = dot(er, h.spec_t + c * N, N);
-      d[3 + S + c] = dot(er, bspec.data() + c * N, N);
-    }
+    dots(er, w.data(), 2 + 2 * S, N, d + 1);
     const float au = 1.f / d[0], ad = 1.f / d[1];
     h.alpha[i] = au;
     h.alpha[N + i] = ad;
-    axpy(cu, au, er, N);
-    axpy(cd, ad, er, N);
+    for (int64_t j = 0; j < N; ++j) {
+      cu[j] += au * er[j];
+      cd[j] += ad * er[j];
+    }
   }
 }
 
@@ -118,20 +140,33 @@ void sinkhorn_rounds(Head& h, int64_t iters) {
     std::fill(acc.begin(), acc.end(), 0.f);
     for (int64_t i = 0; i < N; ++i) {  // row step a_i, then the next column step's sums
       const float* er = h.e + i * N;
-      axpy(acc.data(), 1.f / dot(er, b, N), er, N);
+      axpy(acc.data(), 1.f / dot4(er, b, N), er, N);
     }
     for (int64_t j = 0; j < N; ++j) b[j] = 1.f / acc[j];
   }
 }
 
+// The Jensen-Shannon terms of one row's whole vectors (n_vec entries) of a variant v against unas,
+// from the factors: p_u = alpha_u e_ij, x = p_v / p_u = c beta_j with c = alpha_v / alpha_u, ln x =
+// ln c + ln beta_j (lb)
+inline float js_sweep(const float* er, float au, float c, const float* b, const float* lb, int64_t n_vec) {
+  const Vec vau(au), vc(c), lc(std::log(c));
+  Vec acc(0.f);
+  for (int64_t j = 0; j < n_vec; j += Vec::size())
+    acc = acc + js_terms_x(Vec::loadu(er + j) * vau, vc * Vec::loadu(b + j), lc + Vec::loadu(lb + j));
+  return sum_of(acc);
+}
+
 // The row pass: Sinkhorn's last row step (sk_rows, a, cols[2]) when sinkhorn_final, the weights and
-// the stats, one row at a time.
+// the stats, one row at a time; each row is swept a few times from L1 (so that one sweep's
+// accumulators and constants fit the vector registers).
 void row_pass(Head& h, bool sinkhorn_final) {
   const int64_t N = h.N, S = h.S, W2 = 2 + S;
   const float* bd = h.beta + N;
   const float* bs = h.beta + 2 * N;
   const float log_tiny = std::log(std::numeric_limits<float>::min());
   std::vector<float> blnb, bspec, idx(N), lbd(N), lbs(N);
+  std::vector<const float*> w;
   for (int64_t j = 0; j < N; ++j) idx[j] = float(j);
   for (int64_t j = 0; j < N; ++j) {  // ln x of the JS terms: ln(alpha_v / alpha_u) + ln beta_v,j
     lbd[j] = std::log(bd[j]);
@@ -143,6 +178,8 @@ void row_pass(Head& h, bool sinkhorn_final) {
     for (int64_t j = 0; j < N; ++j) blnb[j] = bs[j] * std::log(bs[j]);
     for (int64_t c = 0; c < S; ++c)
       for (int64_t j = 0; j < N; ++j) bspec[c * N + j] = bs[j] * h.spec_t[c * N + j];
+    w = {bs, blnb.data()};
+    for (int64_t c = 0; c < S; ++c) w.push_back(bspec.data() + c * N);
     std::fill(h.cols + 2 * N, h.cols + 3 * N, 0.f);
   }
   // every row of a (N, N) output starts 64-byte aligned when the first does and N is a multiple of
@@ -150,53 +187,59 @@ void row_pass(Head& h, bool sinkhorn_final) {
   const bool whole = N % Vec::size() == 0;
   const bool st_u = h.pu && whole && aligned(h.pu), st_d = h.pd && whole && aligned(h.pd);
   const bool st_h = h.ph && whole && aligned(h.ph), st_s = h.ps && whole && aligned(h.ps);
-  const Vec vu(h.u), vtiny(log_tiny);
+  const int64_t n_vec = N - N % Vec::size();
   for (int64_t i = 0; i < N; ++i) {
     const float* er = h.e + i * N;
     const float* sr = h.s + i * N;
     if (sinkhorn_final) {  // the last row step normalizes the rows
-      float* k = h.sk + i * W2;
-      k[0] = dot(er, bs, N);
-      k[1] = dot(er, blnb.data(), N);
-      for (int64_t c = 0; c < S; ++c) k[2 + c] = dot(er, bspec.data() + c * N, N);
-      h.alpha[2 * N + i] = 1.f / k[0];
-      axpy(h.cols + 2 * N, 1.f / k[0], er, N);
+      float* kr = h.sk + i * W2;
+      dots(er, w.data(), 2 + S, N, kr);
+      h.alpha[2 * N + i] = 1.f / kr[0];
+      axpy(h.cols + 2 * N, 1.f / kr[0], er, N);
     }
     const float au = h.alpha[i], ad = h.alpha[N + i], as = h.alpha[2 * N + i];
-    const Vec vau(au), vad(ad), vas(as), vi(static_cast<float>(i));
-    const Vec lr_d(std::log(ad / au)), lr_s(std::log(as / au)), ln_au(std::log(au));
-    Vec a_es_u(0.f), a_es_d(0.f), a_es_s(0.f), a_ed_u(0.f), a_ed_d(0.f), a_ed_s(0.f), a_h(0.f);
-    Vec a_jd(0.f), a_jh(0.f), a_js(0.f);
-    const int64_t n_vec = N - N % Vec::size();
-    int64_t j = 0;
-    for (; j < n_vec; j += Vec::size()) {
-      const Vec E = Vec::loadu(er + j), Sv = Vec::loadu(sr + j);
-      const Vec Bd = Vec::loadu(bd + j), Bs = Vec::loadu(bs + j);
-      const Vec D = (Vec::loadu(idx.data() + j) - vi).abs();
-      const Vec ES = E * Sv, ED = E * D;
-      a_es_u = a_es_u + ES;
-      a_es_d = at::vec::fmadd(ES, Bd, a_es_d);
-      a_es_s = at::vec::fmadd(ES, Bs, a_es_s);
-      a_ed_u = a_ed_u + ED;
-      a_ed_d = at::vec::fmadd(ED, Bd, a_ed_d);
-      a_ed_s = at::vec::fmadd(ED, Bs, a_ed_s);
-      const Vec PU = E * vau, PD = E * Bd * vad, PS = E * Bs * vas;
-      const Vec PH = at::vec::fmadd(PD - PU, vu, PU);
-      if (h.pu) store(h.pu + i * N + j, PU, st_u);
-      if (h.pd) store(h.pd + i * N + j, PD, st_d);
-      if (h.ps) store(h.ps + i * N + j, PS, st_s);
-      if (h.want_h) {  // ln h = ln pu + ln(h / pu), ln pu = ln alpha_u + s (E = exp(s)): one logarithm
-        if (h.ph) store(h.ph + i * N + j, PH, st_h);
-        const Vec lnx_h = vlog(PH * vrecip(PU));
-        a_h = at::vec::fmadd(PH, at::vec::maximum(Sv + ln_au + lnx_h, vtiny), a_h);  // 0 ln 0 = 0
-        if (h.js_h) a_jh = a_jh + js_terms_lnx(PH, PU, lnx_h);
+    float r[kStats] = {};
+    {  // sweep 1: entropy and distance products, the weights asked for
+      const Vec vau(au), vad(ad), vas(as), vi(static_cast<float>(i));
+      Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f), a4(0.f), a5(0.f);
+      for (int64_t j = 0; j < n_vec; j += Vec::size()) {
+        const Vec E = Vec::loadu(er + j), Sv = Vec::loadu(sr + j);
+        const Vec Bd = Vec::loadu(bd + j), Bs = Vec::loadu(bs + j);
+        const Vec D = (Vec::loadu(idx.data() + j) - vi).abs();
+        const Vec ES = E * Sv, ED = E * D;
+        a0 = a0 + ES;
+        a1 = at::vec::fmadd(ES, Bd, a1);
+        a2 = at::vec::fmadd(ES, Bs, a2);
+        a3 = a3 + ED;
+        a4 = at::vec::fmadd(ED, Bd, a4);
+        a5 = at::vec::fmadd(ED, Bs, a5);
+        const Vec PU = E * vau, PD = E * Bd * vad;
+        if (h.pu) store(h.pu + i * N + j, PU, st_u);
+        if (h.pd) store(h.pd + i * N + j, PD, st_d);
+        if (h.ps) store(h.ps + i * N + j, E * Bs * vas, st_s);
+        if (h.ph) store(h.ph + i * N + j, at::vec::fmadd(PD - PU, Vec(h.u), PU), st_h);
       }
-      if (h.js_s) a_js = a_js + js_terms_lnx(PS, PU, lr_s + Vec::loadu(lbs.data() + j));
-      if (h.js_d) a_jd = a_jd + js_terms_lnx(PD, PU, lr_d + Vec::loadu(lbd.data() + j));
+      r[0] = sum_of(a0), r[1] = sum_of(a1), r[2] = sum_of(a2);
+      r[3] = sum_of(a3), r[4] = sum_of(a4), r[5] = sum_of(a5);
     }
-    float r[kStats] = {sum_of(a_es_u), sum_of(a_es_d), sum_of(a_es_s), sum_of(a_ed_u), sum_of(a_ed_d),
-                       sum_of(a_ed_s), sum_of(a_h), sum_of(a_jd), sum_of(a_jh), sum_of(a_js)};
-    for (; j < N; ++j) {  // the tail of the row, scalar
+    // the ratios to the unas weights: x_v = p_v / p_u = (alpha_v / alpha_u) beta_v,j, ln x_v
+    const float cd = ad / au, cs = as / au;
+    if (h.want_h) {  // sweep 2: hnas, h = p_u m with m = (1 - u) + u x_d; ln h = ln alpha_u + s + ln m
+      const Vec vau(au), vcd(cd), vu(h.u), v1u(1.f - h.u), ln_au(std::log(au)), vtiny(log_tiny);
+      Vec a_h(0.f), a_jh(0.f);
+      for (int64_t j = 0; j < n_vec; j += Vec::size()) {
+        const Vec PU = Vec::loadu(er + j) * vau;
+        const Vec m = at::vec::fmadd(vu * vcd, Vec::loadu(bd + j), v1u);
+        const Vec lnm = vlog(m);
+        const Vec PH = PU * m;
+        a_h = at::vec::fmadd(PH, at::vec::maximum(Vec::loadu(sr + j) + ln_au + lnm, vtiny), a_h);  // 0 ln 0 = 0
+        if (h.js_h) a_jh = a_jh + js_terms_x(PU, m, lnm);
+      }
+      r[6] = sum_of(a_h), r[8] = sum_of(a_jh);
+    }
+    if (h.js_d) r[7] = js_sweep(er, au, cd, bd, lbd.data(), n_vec);  // sweep 3: dnas's Jensen-Shannon terms
+    if (h.js_s) r[9] = js_sweep(er, au, cs, bs, lbs.data(), n_vec);  // sweep 4: sinkhorn's
+    for (int64_t j = n_vec; j < N; ++j) {  // the tail of the row, scalar
       const float E = er[j], Sv = sr[j], D = std::fabs(float(j) - float(i));
       const float ES = E * Sv, ED = E * D;
       r[0] += ES, r[1] += ES * bd[j], r[2] += ES * bs[j];
@@ -206,10 +249,8 @@ void row_pass(Head& h, bool sinkhorn_final) {
       if (h.pu) h.pu[i * N + j] = PU;
       if (h.pd) h.pd[i * N + j] = PD;
       if (h.ps) h.ps[i * N + j] = PS;
-      if (h.want_h) {
-        if (h.ph) h.ph[i * N + j] = PH;
-        r[6] += PH * std::max(std::log(PH), log_tiny);
-      }
+      if (h.ph) h.ph[i * N + j] = PH;
+      if (h.want_h) r[6] += PH * std::max(std::log(PH), log_tiny);
       if (h.js_d) r[7] += js_term(PD, PU, log_tiny);
       if (h.js_h) r[8] += js_term(PH, PU, log_tiny);
       if (h.js_s) r[9] += js_term(PS, PU, log_tiny);
@@ -257,16 +298,17 @@ bool head(const at::Tensor& q, const at::Tensor& k, double scale, const at::Tens
          spec_t.data_ptr<float>(), out_ptr(pu, N, "pu"), out_ptr(pd, N, "pd"), out_ptr(ph, N, "ph"),
          out_ptr(ps, N, "ps"), float(u), js_dnas, js_hnas, js_sinkhorn, hnas || (ph.has_value() && ph->defined())};
   TORCH_CHECK(!js_hnas || h.want_h, "head: js_hnas needs hnas");
-  at::Tensor s_ = s;
-  at::addmm_out(s_, s, q, k.t(), /*beta=*/0, /*alpha=*/scale);  // scores (BLAS)
+  const at::Tensor qc = q.stride(1) == 1 ? q : q.contiguous(), kc = k.stride(1) == 1 ? k : k.contiguous();
   std::vector<float> mu(N);
-  for (int64_t i = 0; i < N; ++i) mu[i] = reduce_max(h.s + i * N, N);
-  const float gmax = *std::max_element(mu.begin(), mu.end());
-  if (check_span && gmax - reduce_min(h.s, N * N) > kLinearSpanMax) return false;
-  exp_pass(h, mu, gmax);
+  const bool sinkhorn_analysed = sinkhorn || (ps.has_value() && ps->defined());
+  if (!score_pass(h, qc.data_ptr<float>(), qc.stride(0), kc.data_ptr<float>(), kc.stride(0), q.size(1),
+                  float(scale), check_span, mu.data())) {
+    wide_head(h, mu.data(), iters, sinkhorn_analysed);  // analysis_wide.h
+    return false;
+  }
   dnas_pass(h);
   std::fill(h.beta, h.beta + N, 1.f);
-  const bool rounds = (sinkhorn || (ps.has_value() && ps->defined())) && iters > 1;
+  const bool rounds = sinkhorn_analysed && iters > 1;
   if (rounds) {
     sinkhorn_rounds(h, iters);
   } else {  // sinkhorn with one round is dnas

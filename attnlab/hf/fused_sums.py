@@ -5,7 +5,9 @@ each head is in cache, the row sums of ``attnlab.stats.engine.row_sums_dict`` fo
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +22,22 @@ LN2 = math.log(2.0)
 
 # Worker threads of the fused path (None: torch's thread count), each running torch with one thread.
 _WORKERS = None
+# Their pool, kept between calls (starting and stopping two threads cost 2-4 ms a call): (size, pool)
+_EXECUTOR: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
+_EXECUTOR_LOCK = threading.Lock()
+
+
+def _executor(workers: int) -> concurrent.futures.ThreadPoolExecutor:
+    """The kept pool of ``workers`` threads (a new one when the count changed). Concurrent analyses
+    share it: their heads queue behind each other's, on the same cores."""
+    global _EXECUTOR
+    with _EXECUTOR_LOCK:
+        if _EXECUTOR is None or _EXECUTOR[0] != workers:
+            if _EXECUTOR is not None:
+                _EXECUTOR[1].shutdown(wait=False)
+            pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="attnlab-heads")
+            _EXECUTOR = (workers, pool)
+        return _EXECUTOR[1]
 
 
 # Rows per block of the PyTorch row pass: a block's weights are read back while they are still in the
@@ -81,11 +99,13 @@ def variants_with_sums(q, k, scale, variants, u, iters, specials, use_kernel: bo
     entropies (ln pi_ij = ln alpha_i + s_ij - max_j s_ij + ln beta_j) then come from a few products of
     E, E * (s - max) and E * |i - j| with the factors, assembled for all heads at once at the end
     (:func:`_assemble_sums`); only the hnas entropy and the Jensen-Shannon divergences to unas take
-    logarithms of the weights. Heads with wider scores take :func:`_variants_unmasked` and
-    ``_row_sums`` on the weights. One head at a time per worker thread, so that its scores and
-    exponentials stay in the core's cache; the pass over its rows that writes the weights and takes
-    their sums is one sweep in attnlab's CPU kernel ``attnlab_hf.head`` (:mod:`attnlab.kernels`) when
-    it is built, else PyTorch operations on blocks of rows (:func:`_rows_torch`, the same results).
+    logarithms of the weights. Heads with wider scores are computed in log space, their row sums
+    from the weights themselves. One head at a time per worker thread, so that its scores and
+    exponentials stay in the core's cache; each head is one call of attnlab's CPU kernel
+    ``attnlab_hf.head`` (:mod:`attnlab.kernels`; wide heads in its log-space path,
+    attnlab/csrc/analysis_wide.h) when it is built, else PyTorch operations: the row pass on blocks of
+    rows (:func:`_rows_torch`), wide heads by :func:`_variants_unmasked` and ``row_sums_dict`` on the
+    weights (the same results).
 
     q, k: (L, 1, H, N, D); specials: list of S bool (N,) key masks. Returns ({variant in write: (L, 1, H,
     N, N)}, {variant: row sums over L*H maps} or None without ``sums``); ``js`` (to unas) when unas is
@@ -118,6 +138,18 @@ def variants_with_sums(q, k, scale, variants, u, iters, specials, use_kernel: bo
     spec_t = spec.t().contiguous()  # (S, N)
     settings = _HeadSettings(variants, iters, spec, dist, js_variants, clamp_hnas)
 
+    # per map: its q, k, weight outputs and buffer rows as views made at once (not indexed per head)
+    q_maps, k_maps = q[:, 0].reshape(LH, N, -1).unbind(0), k[:, 0].reshape(LH, N, -1).unbind(0)
+    out_maps = {v: out[v][:, 0].view(LH, N, N).unbind(0) for v in write}  # views: written in place
+    u_list = u_maps.tolist()
+    buffers = (buf.alpha, buf.beta, buf.cols, buf.dn_rows, buf.sk_rows, buf.rows)
+    buf_rows = list(zip(*(t.unbind(0) for t in buffers), strict=True))  # per map: its rows of each
+    # without sums only the written variants are needed: no distances, no Sinkhorn rounds or HNAS rows
+    # that are not written (unas and dnas come from the same factors anyway)
+    js = settings.js_variants if sums else ()
+    need = variants if sums else write
+    flags = ("dnas" in js, "hnas" in js, "sinkhorn" in js, "hnas" in need, "sinkhorn" in need)
+
     def work(threads: int | None) -> None:
         """Take heads from the queue until it is empty (``threads``: this worker's torch threads)."""
         if threads is not None:
@@ -130,20 +162,15 @@ def variants_with_sums(q, k, scale, variants, u, iters, specials, use_kernel: bo
             except IndexError:
                 return
             layer, h = divmod(row, H)
-            views = {v: out[v][layer, 0, h] for v in write}
-            ql, kl, u_h = q[layer, 0, h], k[layer, 0, h], float(u_maps[row])
+            views = {v: out_maps[v][row] for v in write}
+            ql, kl, u_h = q_maps[row], k_maps[row], u_list[row]
             check_span = span_bound[row] > LINEAR_SPAN_MAX
-            if kernel is not None:  # the whole head in the CPU kernel (attnlab/csrc/analysis_cpu.cpp)
-                # without sums only the written variants are needed: no distances, no Sinkhorn rounds
-                # or HNAS rows that are not written (unas and dnas come from the same factors anyway)
-                js = settings.js_variants if sums else ()
-                need = variants if sums else write
-                if kernel.head(ql, kl, scale[layer], spec_t, iters, check_span, u_h,
-                               *(views.get(v) for v in ("unas", "dnas", "hnas", "sinkhorn")), *scratch[:2],
-                               buf.alpha[row], buf.beta[row], buf.cols[row], buf.dn_rows[row],
-                               buf.sk_rows[row], buf.rows[row], "dnas" in js, "hnas" in js, "sinkhorn" in js,
-                               "hnas" in need, "sinkhorn" in need):
-                    continue
+            if kernel is not None:  # the whole head in the CPU kernel (attnlab/csrc/analysis_cpu.cpp), a wide
+                # one in its log-space path (analysis_wide.h) with the same buffer layout
+                kernel.head(ql, kl, scale[layer], spec_t, iters, check_span, u_h,
+                            *(views.get(v) for v in ("unas", "dnas", "hnas", "sinkhorn")), *scratch[:2],
+                            *buf_rows[row], *flags)
+                continue
             else:
                 s = scratch[0]
                 torch.addmm(s, ql, kl.t(), beta=0.0, alpha=scale[layer], out=s)
@@ -161,13 +188,11 @@ def variants_with_sums(q, k, scale, variants, u, iters, specials, use_kernel: bo
     if workers <= 1:
         work(None)
     else:  # one torch thread per worker: no per-operation barrier, idle workers take more heads
-        import concurrent.futures
-
         previous = torch.get_num_threads()
         try:
-            with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-                for f in [pool.submit(work, 1) for _ in range(workers)]:
-                    f.result()
+            pool = _executor(workers)
+            for f in [pool.submit(work, 1) for _ in range(workers)]:
+                f.result()
         finally:
             torch.set_num_threads(previous)
     if not sums:

@@ -1,0 +1,20 @@
+// The one head of attnlab's analysis kernel (analysis_cpu.cpp): its buffers and flags, shared by the
+// linear passes (analysis_cpu.cpp) and the log-space path of wide heads (analysis_wide.h).
+#pragma once
+#include "analysis_vec.h"
+
+namespace {
+
+constexpr int64_t kStats = 10;  // columns of stats (analysis_cpu.cpp's header)
+
+struct Head {
+  int64_t N, S;
+  float *s, *e, *alpha, *beta, *cols, *dn, *sk, *stats;
+  const float* spec_t;  // (S, N)
+  float *pu, *pd, *ph, *ps;
+  float u;
+  bool js_d, js_h, js_s;
+  bool want_h;  // hnas is analysed (its sums), whether or not its weights are written (ph)
+};
+
+}  // namespace
