@@ -321,7 +321,9 @@ def _masked_problem(seed, dtype, BH, M, N):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize(("variant", "iters"), [("dnas", 1), ("hnas", 1), ("sinkhorn", 2), ("sinkhorn", 5)])
+# sinkhorn with 5 rounds: .ci/run only (the inner loop's minute)
+@pytest.mark.parametrize(("variant", "iters"), [("dnas", 1), ("hnas", 1), ("sinkhorn", 2),
+                                               pytest.param("sinkhorn", 5, marks=pytest.mark.slow)])
 @pytest.mark.parametrize(("BH", "M", "N", "budget"), [(5, 300, 700, 0), (3, 37, 53, 2**30), (2, 1, 9, 2**30)])
 def test_held_attend_equals_float64_reference(dtype, variant, iters, BH, M, N, budget):
     """held_attend (each head's scores held: one score product, one exponential per score) against the
@@ -560,7 +562,8 @@ def test_causal_dnas_attend_takes_the_kernel(monkeypatch, mask_kind):
     (5, 300, 700, 300 * 64 * 4),  # 11 chunks of 64 keys per head
     (3, 37, 53, 2**30),  # one chunk per head
     (2, 1, 9, 0),  # the smallest panel: 16-key chunks
-    (12, 140, 1500, 140 * 256 * 4),  # value products over groups of 1024 keys and a last one of 476
+    # value products over groups of 1024 keys and a last one of 476 (.ci/run only: ~1.6 s)
+    pytest.param(12, 140, 1500, 140 * 256 * 4, marks=pytest.mark.slow),
 ])
 def test_panel_hnas_equals_float64_reference(dtype, BH, M, N, panel):
     """panel_hnas (HNAS, Eq. 12, from bound-shifted panels written once and read once) against the
@@ -618,7 +621,7 @@ def test_panel_hnas_rows_below_the_shift_and_loose_heads_are_exact(monkeypatch):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("iters", [2, 3, 5])
+@pytest.mark.parametrize("iters", [2, 3, pytest.param(5, marks=pytest.mark.slow)])  # 5: .ci/run only
 @pytest.mark.parametrize(("BH", "M", "N", "panel"), [
     (5, 300, 700, 300 * 64 * 4),  # 11 chunks of 64 keys per head
     (3, 37, 53, 2**30),  # one chunk per head
