@@ -53,7 +53,8 @@ CASES = attention_cases()
 # no cheaper form of it): 10 % of the keys padded, 10 % of the queries padded, causal.
 MASK_CASES = [("sdpa keys", None, {"_mask": "keys"}), ("dnas keys", "dnas", {"_mask": "keys"}),
               ("dnas queries", "dnas", {"_mask": "queries"}),
-              ("sdpa causal", None, {"_mask": "causal"}), ("dnas causal", "dnas", {"_mask": "causal"})]
+              ("sdpa causal", None, {"_mask": "causal"}), ("dnas causal", "dnas", {"_mask": "causal"}),
+              ("hnas causal", "hnas", {"_mask": "causal"})]
 # The variants with a Triton kernel path (attnlab.gpu.FAST_PATHS) through attnlab.gpu.fused_attend,
 # measured on CUDA when it applies, until the kernels are attend's CUDA fast path.
 TRITON_CASES = [(f"{lab} triton", var, kw) for lab, var, kw in CASES
