@@ -54,6 +54,7 @@ def test_attention_benchmark_runs_and_reports_ratios(capsys):
     assert all(t > 0 for t in times.values())
     base = {lab: "sdpa" for lab in ratios}
     base |= {f"{v} {m}": f"sdpa {m}" for v in ("sdpa", "dnas") for m in ("keys", "causal")}
+    base["hnas causal"] = "sdpa causal"
     assert all(ratios[lab] == pytest.approx(times[lab] / times[base[lab]]) for lab in ratios)
     assert ratios["sdpa keys"] == ratios["sdpa causal"] == 1.0
     table = bench.attention_markdown(res)
