@@ -31,8 +31,9 @@ row softmaxes, mix and value product; then the softmax backwards with the column
 gradient products (:func:`attnlab.normalizers.kernel_paths.train_forward`).
 
 ``attnlab/csrc/analysis_cpu.cpp``: ``torch.ops.attnlab_hf.head``, one head of ``attnlab.hf``'s fused
-analysis (every variant's weights and every row sum the statistics need in one sweep over the rows;
-:func:`analysis_ops`, used by ``attnlab/hf/weights.py``).
+analysis (every variant's weights and every row sum the statistics need, in a few sweeps over the
+head's rows; a head whose scores span more than 60 nats in log space, ``analysis_wide.h``;
+:func:`analysis_ops`, used by ``attnlab/hf/fused_sums.py``).
 
 Building needs a C++ compiler (``g++``; scripts/install.sh installs it) and ninja (the ``ninja`` PyPI
 package, in requirements.txt); the build takes about 20 s once and is cached per source, flags and

@@ -18,7 +18,7 @@
 //   hnas (12)     lerp(unas, dnas, u)
 // A head is wide when check_span and its scores span more than kLinearSpanMax nats: then the same
 // outputs come from log space (analysis_wide.h, its layout: every factor 1) and the result is false.
-// The outputs are (the layout of attnlab/hf/weights.py's _FusedBuffers, S = spec_t.size(0)):
+// The outputs are (the layout of attnlab/hf/fused_sums.py's _FusedBuffers, S = spec_t.size(0)):
 //   alpha, beta (3, N)   (alpha_u, alpha_d, a), (1, beta_d, b)
 //   cols (3, N)          (alpha_u, alpha_d, a)^T E: column masses before the column factor
 //   dn_rows (N, 3 + 2S)  E @ [1, beta_d, beta_d ln beta_d, special, beta_d special]
