@@ -9,6 +9,7 @@ they share ``overlap = content - stride`` tokens. The last window ends at the la
 
 from __future__ import annotations
 
+import functools
 import re
 import unicodedata
 from collections.abc import Iterator
@@ -139,6 +140,7 @@ def plan_windows(n_tokens: int, window: int, n_special: int, overlap: int | None
     )
 
 
+@functools.lru_cache(maxsize=1 << 16)  # a text's pieces repeat: each is classified once
 def _is_punctuation(piece: str) -> bool:
     piece = piece.strip()
     return bool(piece) and all(unicodedata.category(ch)[0] in "PS" for ch in piece)
