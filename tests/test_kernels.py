@@ -319,6 +319,38 @@ def _masked_problem(seed, dtype, BH, M, N):
     return q, k, v, key_ok, row_ok, key_bias, row_bias
 
 
+def _check_against_reference(call, reference, problem, dtype, views=True):
+    """A kernel on (BH, M, N) problems against its float64 reference: with the problem's key and query
+    masks (invalid rows and the fully masked last head give 0, and ``call``'s flag says every head is
+    done), unmasked, and (``views``) on strided views of q, k, v with a contiguous last dimension,
+    which must read the same values. ``call(q, k, v, key_bias, row_bias)`` -> (out, ok);
+    ``reference(q, k, v, key_ok, row_ok)`` -> the float64 output."""
+    q, k, v, key_ok, row_ok, key_bias, row_bias = problem
+    BH, M, N = q.shape[0], q.shape[1], k.shape[1]
+    tol = dict(atol=3e-5, rtol=3e-5) if dtype == torch.float32 else dict(atol=1e-11, rtol=1e-11)
+    got, ok = call(q, k, v, key_bias, row_bias)
+    torch.testing.assert_close(got.double(), reference(q, k, v, key_ok, row_ok), **tol)
+    assert ok and torch.all(got[-1] == 0) and torch.all(got[~row_ok] == 0)
+    everything = torch.ones(BH, N, dtype=torch.bool), torch.ones(BH, M, dtype=torch.bool)
+    got, _ = call(q, k, v, None, None)
+    torch.testing.assert_close(got.double(), reference(q, k, v, *everything), **tol)
+    if views:
+        qv, kv, vv = (torch.cat([t, t], -1)[..., : t.shape[-1]] for t in (q, k, v))
+        torch.testing.assert_close(call(qv, kv, vv, None, None)[0], got, atol=0, rtol=0)
+
+
+def _underflow_and_loose_heads(gen):
+    """(q0, k0, q1, k1), (40, 2) each. Head 0: the keys along e_1 (tight bounds), query 0 scores
+    50-150 with them, query 1 scores 0 with every key (its terms underflow against the shifts),
+    query 2 = (30, 1). Head 1: query 0 = 100 e_1 leaves the bound of every key not along e_1 loose."""
+    k0 = torch.cat([0.5 + torch.rand(40, 1, generator=gen), torch.zeros(40, 1)], -1)  # along e_1: tight
+    q0 = torch.zeros(40, 2)
+    q0[0, 0], q0[2] = 100.0, torch.tensor([30.0, 1.0])
+    q1 = torch.randn(40, 2, generator=gen)
+    q1[0] = torch.tensor([100.0, 0.0])
+    return q0, k0, q1, torch.randn(40, 2, generator=gen)
+
+
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 # sinkhorn with 5 rounds: .ci/run only (the inner loop's minute)
@@ -329,20 +361,14 @@ def test_held_attend_equals_float64_reference(dtype, variant, iters, BH, M, N, b
     """held_attend (each head's scores held: one score product, one exponential per score) against the
     float64 materialized variant, with invalid keys and queries, a (batch, head) with every key masked,
     several row blocks per head (N = 700: 93 rows) and groups of one head (budget 0) or all heads."""
-    q, k, v, key_ok, row_ok, key_bias, row_bias = _masked_problem(M * N + iters, dtype, BH, M, N)
     u = torch.linspace(0, 1, BH, dtype=dtype) if variant == "hnas" else None
     params = {"u": u.view(1, BH, 1, 1).double()} if u is not None else {}
     if variant == "sinkhorn":
         params["iters"] = iters
-    got = ops.held_attend(q, k, v, key_bias, row_bias, u, iters, 0.35, budget)
-    ref = _held_reference(q, k, v, key_ok, row_ok, variant, 0.35, **params)
-    tol = dict(atol=3e-5, rtol=3e-5) if dtype == torch.float32 else dict(atol=1e-11, rtol=1e-11)
-    torch.testing.assert_close(got.double(), ref, **tol)
-    assert torch.all(got[-1] == 0) and torch.all(got[~row_ok] == 0)
-    everything = torch.ones(BH, N, dtype=torch.bool), torch.ones(BH, M, dtype=torch.bool)
-    got = ops.held_attend(q, k, v, None, None, u, iters, 0.35, budget)
-    ref = _held_reference(q, k, v, *everything, variant, 0.35, **params)
-    torch.testing.assert_close(got.double(), ref, **tol)
+    _check_against_reference(
+        lambda q, k, v, kb, rb: (ops.held_attend(q, k, v, kb, rb, u, iters, 0.35, budget), True),
+        lambda q, k, v, key_ok, row_ok: _held_reference(q, k, v, key_ok, row_ok, variant, 0.35, **params),
+        _masked_problem(M * N + iters, dtype, BH, M, N), dtype, views=False)
 
 
 @needs_kernels
@@ -376,17 +402,10 @@ def test_panel_dnas_equals_float64_reference(dtype, BH, M, N, panel):
     """panel_dnas (column panels: one score product, one exponential per score, the output accumulated
     over chunks) against the float64 materialized DNAS, with invalid keys and queries and a (batch,
     head) with every key masked, over the chunk widths and head splits the panel size gives."""
-    q, k, v, key_ok, row_ok, key_bias, row_bias = _masked_problem(M * N + 1, dtype, BH, M, N)
-    tol = dict(atol=3e-5, rtol=3e-5) if dtype == torch.float32 else dict(atol=1e-11, rtol=1e-11)
-    got = ops.panel_dnas(q, k, v, key_bias, row_bias, 0.35, panel)
-    torch.testing.assert_close(got.double(), _held_reference(q, k, v, key_ok, row_ok, "dnas", 0.35), **tol)
-    assert torch.all(got[-1] == 0) and torch.all(got[~row_ok] == 0)
-    everything = torch.ones(BH, N, dtype=torch.bool), torch.ones(BH, M, dtype=torch.bool)
-    got = ops.panel_dnas(q, k, v, None, None, 0.35, panel)
-    torch.testing.assert_close(got.double(), _held_reference(q, k, v, *everything, "dnas", 0.35), **tol)
-    # strided rows (q, k, v views with a contiguous last dimension) read the same values
-    qv, kv, vv = (torch.cat([t, t], -1)[..., : t.shape[-1]] for t in (q, k, v))
-    torch.testing.assert_close(ops.panel_dnas(qv, kv, vv, None, None, 0.35, panel), got, atol=0, rtol=0)
+    _check_against_reference(
+        lambda q, k, v, kb, rb: (ops.panel_dnas(q, k, v, kb, rb, 0.35, panel), True),
+        lambda q, k, v, key_ok, row_ok: _held_reference(q, k, v, key_ok, row_ok, "dnas", 0.35),
+        _masked_problem(M * N + 1, dtype, BH, M, N), dtype)
 
 
 @needs_kernels
@@ -498,17 +517,12 @@ def test_causal_dnas_equals_float64_reference(dtype, BH, M, N):
     """causal_dnas (one pass, each column's prefix maximum and sum carried down the rows) against the
     float64 materialized causal DNAS, with invalid keys and queries and a head with every key masked,
     unmasked, and on strided views."""
-    q, k, v, key_ok, row_ok, key_bias, row_bias = _masked_problem(M * N + 7, dtype, BH, M, N)
-    tol = dict(atol=3e-5, rtol=3e-5) if dtype == torch.float32 else dict(atol=1e-11, rtol=1e-11)
-    got, redo = ops.causal_dnas(q, k, v, key_bias, row_bias, 0.35, nz.functions.LSE_FLOOR)
-    torch.testing.assert_close(got.double(), _causal_reference(q, k, v, key_ok, row_ok, 0.35), **tol)
-    assert not redo.any() and torch.all(got[-1] == 0) and torch.all(got[~row_ok] == 0)
-    everything = torch.ones(BH, N, dtype=torch.bool), torch.ones(BH, M, dtype=torch.bool)
-    got, redo = ops.causal_dnas(q, k, v, None, None, 0.35, nz.functions.LSE_FLOOR)
-    torch.testing.assert_close(got.double(), _causal_reference(q, k, v, *everything, 0.35), **tol)
-    qv, kv, vv = (torch.cat([t, t], -1)[..., : t.shape[-1]] for t in (q, k, v))
-    again, _ = ops.causal_dnas(qv, kv, vv, None, None, 0.35, nz.functions.LSE_FLOOR)
-    torch.testing.assert_close(again, got, atol=0, rtol=0)
+    def call(q, k, v, kb, rb):
+        out, redo = ops.causal_dnas(q, k, v, kb, rb, 0.35, nz.functions.LSE_FLOOR)
+        return out, not redo.any()
+
+    _check_against_reference(call, lambda *problem: _causal_reference(*problem, 0.35),
+                             _masked_problem(M * N + 7, dtype, BH, M, N), dtype)
 
 
 @needs_kernels
@@ -569,21 +583,16 @@ def test_panel_hnas_equals_float64_reference(dtype, BH, M, N, panel):
     """panel_hnas (HNAS, Eq. 12, from bound-shifted panels written once and read once) against the
     float64 materialized HNAS, for u from 0 (UNAS) to 1 (DNAS) across the heads, with invalid keys and
     queries and a head with every key masked, unmasked, and on strided views."""
-    q, k, v, key_ok, row_ok, key_bias, row_bias = _masked_problem(M * N + 3, dtype, BH, M, N)
     u = torch.linspace(0, 1, BH, dtype=dtype)
-    params = {"u": u.view(1, BH, 1, 1).double()}
-    tol = dict(atol=3e-5, rtol=3e-5) if dtype == torch.float32 else dict(atol=1e-11, rtol=1e-11)
-    got, done = ops.panel_hnas(q, k, v, key_bias, row_bias, u, 0.35, panel)
-    ref = _held_reference(q, k, v, key_ok, row_ok, "hnas", 0.35, **params)
-    torch.testing.assert_close(got.double(), ref, **tol)
-    assert done.all() and torch.all(got[-1] == 0) and torch.all(got[~row_ok] == 0)
-    everything = torch.ones(BH, N, dtype=torch.bool), torch.ones(BH, M, dtype=torch.bool)
-    got, _ = ops.panel_hnas(q, k, v, None, None, u, 0.35, panel)
-    ref = _held_reference(q, k, v, *everything, "hnas", 0.35, **params)
-    torch.testing.assert_close(got.double(), ref, **tol)
-    qv, kv, vv = (torch.cat([t, t], -1)[..., : t.shape[-1]] for t in (q, k, v))
-    again, _ = ops.panel_hnas(qv, kv, vv, None, None, u, 0.35, panel)
-    torch.testing.assert_close(again, got, atol=0, rtol=0)
+
+    def call(q, k, v, kb, rb):
+        out, done = ops.panel_hnas(q, k, v, kb, rb, u, 0.35, panel)
+        return out, done.all()
+
+    _check_against_reference(
+        call, lambda q, k, v, key_ok, row_ok: _held_reference(q, k, v, key_ok, row_ok, "hnas", 0.35,
+                                                               u=u.view(1, BH, 1, 1).double()),
+        _masked_problem(M * N + 3, dtype, BH, M, N), dtype)
 
 
 @needs_kernels
@@ -593,12 +602,7 @@ def test_panel_hnas_rows_below_the_shift_and_loose_heads_are_exact(monkeypatch):
     100 e_1 leaves the bound of every key not along e_1 loose; panel_hnas says so (done False) and
     attend's HNAS gives that head through held_attend. Both equal the float64 reference."""
     gen = torch.Generator().manual_seed(5)
-    k0 = torch.cat([0.5 + torch.rand(40, 1, generator=gen), torch.zeros(40, 1)], -1)  # along e_1: tight
-    q0 = torch.zeros(40, 2)
-    q0[0, 0], q0[2] = 100.0, torch.tensor([30.0, 1.0])
-    q1 = torch.randn(40, 2, generator=gen)
-    q1[0] = torch.tensor([100.0, 0.0])
-    k1 = torch.randn(40, 2, generator=gen)
+    q0, k0, q1, k1 = _underflow_and_loose_heads(gen)
     q, k = torch.stack([q0, q1]), torch.stack([k0, k1])  # (2, 40, 2)
     v = torch.randn(2, 40, 3, generator=gen)
     u = torch.tensor([0.5, 0.3])
@@ -631,19 +635,14 @@ def test_panel_sinkhorn_equals_float64_reference(dtype, iters, BH, M, N, panel):
     """panel_sinkhorn (Sinkhorn's rounds on bound-shifted panels written once, the row normalization
     after the value product) against the float64 materialized Sinkhorn, with invalid keys and queries
     and a head with every key masked, unmasked, and on strided views."""
-    q, k, v, key_ok, row_ok, key_bias, row_bias = _masked_problem(M * N + iters, dtype, BH, M, N)
-    tol = dict(atol=3e-5, rtol=3e-5) if dtype == torch.float32 else dict(atol=1e-11, rtol=1e-11)
-    got, done = ops.panel_sinkhorn(q, k, v, key_bias, row_bias, iters, 0.35, panel)
-    ref = _held_reference(q, k, v, key_ok, row_ok, "sinkhorn", 0.35, iters=iters)
-    torch.testing.assert_close(got.double(), ref, **tol)
-    assert done.all() and torch.all(got[-1] == 0) and torch.all(got[~row_ok] == 0)
-    everything = torch.ones(BH, N, dtype=torch.bool), torch.ones(BH, M, dtype=torch.bool)
-    got, _ = ops.panel_sinkhorn(q, k, v, None, None, iters, 0.35, panel)
-    ref = _held_reference(q, k, v, *everything, "sinkhorn", 0.35, iters=iters)
-    torch.testing.assert_close(got.double(), ref, **tol)
-    qv, kv, vv = (torch.cat([t, t], -1)[..., : t.shape[-1]] for t in (q, k, v))
-    again, _ = ops.panel_sinkhorn(qv, kv, vv, None, None, iters, 0.35, panel)
-    torch.testing.assert_close(again, got, atol=0, rtol=0)
+    def call(q, k, v, kb, rb):
+        out, done = ops.panel_sinkhorn(q, k, v, kb, rb, iters, 0.35, panel)
+        return out, done.all()
+
+    _check_against_reference(
+        call, lambda q, k, v, key_ok, row_ok: _held_reference(q, k, v, key_ok, row_ok, "sinkhorn", 0.35,
+                                                               iters=iters),
+        _masked_problem(M * N + iters, dtype, BH, M, N), dtype)
 
 
 @needs_kernels
@@ -653,12 +652,9 @@ def test_panel_sinkhorn_leaves_underflowing_and_loose_heads_to_held_attend(monke
     (ordinary) it does; attend's Sinkhorn gives all three, through held_attend for the first two,
     equal to the float64 reference."""
     gen = torch.Generator().manual_seed(6)
-    k0 = torch.cat([0.5 + torch.rand(40, 1, generator=gen), torch.zeros(40, 1)], -1)
-    q0 = torch.zeros(40, 2)
-    q0[0, 0], q0[2] = 100.0, torch.tensor([30.0, 1.0])
-    q1 = torch.randn(40, 2, generator=gen)
-    q1[0] = torch.tensor([100.0, 0.0])
-    q, k = torch.stack([q0, q1, torch.randn(40, 2, generator=gen)]), torch.stack([k0, *torch.randn(2, 40, 2)])
+    q0, k0, q1, k1 = _underflow_and_loose_heads(gen)
+    q2, k2 = torch.randn(2, 40, 2, generator=gen)  # head 2: an ordinary one
+    q, k = torch.stack([q0, q1, q2]), torch.stack([k0, k1, k2])
     v = torch.randn(3, 40, 3, generator=gen)
     _, done = ops.panel_sinkhorn(q, k, v, None, None, 3, 1.0, 0)
     assert done.tolist() == [False, False, True]

@@ -71,7 +71,7 @@ bool score_pass(Head& h, const float* q, int64_t ldq, const float* k, int64_t ld
     gemm_abt(R, N, D, scale, q + i0 * ldq, ldq, k, ldk, 0.f, sb, N);
     float bmax = -std::numeric_limits<float>::infinity();
     for (int64_t r = 0; r < R; ++r) {
-      mu[i0 + r] = reduce_max(sb + r * N, N);
+      mu[i0 + r] = row_max(sb + r * N, N);  // kernel_common.h
       if (check_span) smin = std::min(smin, reduce_min(sb + r * N, N));
       bmax = std::max(bmax, mu[i0 + r]);
     }

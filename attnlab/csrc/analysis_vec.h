@@ -176,9 +176,6 @@ inline bool aligned(const float* p) {
 
 constexpr float kLinearSpanMax = 60.f;  // = attnlab.hf.weights.LINEAR_SPAN_MAX
 
-inline float reduce_max(const float* x, int64_t n) {
-  return at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, x, n);
-}
 inline float reduce_min(const float* x, int64_t n) {
   return at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::minimum(a, b); }, x, n);
 }

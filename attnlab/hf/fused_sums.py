@@ -171,16 +171,15 @@ def variants_with_sums(q, k, scale, variants, u, iters, specials, use_kernel: bo
                             *(views.get(v) for v in ("unas", "dnas", "hnas", "sinkhorn")), *scratch[:2],
                             *buf_rows[row], *flags)
                 continue
-            else:
-                s = scratch[0]
-                torch.addmm(s, ql, kl.t(), beta=0.0, alpha=scale[layer], out=s)
-                mu = s.amax(-1, keepdim=True)  # (N, 1) row maxima
-                gmax = mu.max()
-                if not (check_span and float(gmax - s.min()) > LINEAR_SPAN_MAX):
-                    s.sub_(mu)  # s_ij - max_j s_ij in [-LINEAR_SPAN_MAX, 0]
-                    rho = mu.sub_(gmax).exp_()  # (N, 1): exp(s - max over the head) = rho_i exp(s_ij - mu_i)
-                    _head_linear(*scratch, rho, views, buf, row, u_h, settings)
-                    continue
+            s = scratch[0]  # the PyTorch path
+            torch.addmm(s, ql, kl.t(), beta=0.0, alpha=scale[layer], out=s)
+            mu = s.amax(-1, keepdim=True)  # (N, 1) row maxima
+            gmax = mu.max()
+            if not (check_span and float(gmax - s.min()) > LINEAR_SPAN_MAX):
+                s.sub_(mu)  # s_ij - max_j s_ij in [-LINEAR_SPAN_MAX, 0]
+                rho = mu.sub_(gmax).exp_()  # (N, 1): exp(s - max over the head) = rho_i exp(s_ij - mu_i)
+                _head_linear(*scratch, rho, views, buf, row, u_h, settings)
+                continue
             wide = _wide_head(q, k, scale, u, layer, h, views, variants, iters, spec, dist, ref)
             fallback.append((row, wide))
 

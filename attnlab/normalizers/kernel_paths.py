@@ -202,8 +202,10 @@ def held_kernel(q, k, v, mask, scale, u=None, iters: int = 1):
     if M * N * q.element_size() > HELD_HEAD_BYTES:
         return None
     found = _operands(q, k, v, mask, u)
-    weights = None if u is None or found is None else head_weights(u, q)
-    if found is None or (u is not None and weights is None):
+    if found is None:
+        return None
+    weights = None if u is None else head_weights(u, q)
+    if u is not None and weights is None:  # u varies within a head
         return None
     ops, qf, kf, vf, key_bias, row_bias = found
     panels = None  # HNAS and Sinkhorn(k >= 2): bound-shifted panels, written once, read once (a round)
