@@ -30,6 +30,11 @@ and the backward of the training-size DNAS / HNAS autograd function (attnlab/nor
 row softmaxes, mix and value product; then the softmax backwards with the column term and the
 gradient products (:func:`attnlab.normalizers.kernel_paths.train_forward`).
 
+``attnlab/csrc/causal_cpu.cpp``: ``causal_dnas(q, k, v, key_bias, row_bias, scale, floor)`` and
+``causal_hnas(..., u, scale, floor)``, causal DNAS and causal HNAS in one pass over the score tiles
+(query blocks outer, each column's running prefix maximum and sum carried down the rows; HNAS adds the
+causal softmax's online row maxima and a second value product; docs/VARIANTS.md "Causal DNAS").
+
 ``attnlab/csrc/analysis_cpu.cpp``: ``torch.ops.attnlab_hf.head``, one head of ``attnlab.hf``'s fused
 analysis (every variant's weights and every row sum the statistics need, in a few sweeps over the
 head's rows; a head whose scores span more than 60 nats in log space, ``analysis_wide.h``;

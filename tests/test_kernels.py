@@ -496,11 +496,15 @@ def test_dnas_attend_takes_the_panel_kernel(monkeypatch, mask_kind):
     torch.testing.assert_close(fast, slow, atol=2e-5, rtol=2e-5)
 
 
-def _causal_reference(q, k, v, key_ok, row_ok, scale):
-    """The materialized float64 causal DNAS (prefix column normalizer) @ v on (BH, M, N) problems."""
+def _causal_reference(q, k, v, key_ok, row_ok, scale, u=None):
+    """The materialized float64 causal DNAS (prefix column normalizer) @ v on (BH, M, N) problems; with
+    u (BH,), causal HNAS with those weights."""
     mask = (row_ok[:, :, None] & key_ok[:, None, :])[None]  # (1, BH, M, N)
     s = (q.double() @ k.double().transpose(1, 2) * scale)[None]
-    w = attnlab.attention_weights(s, "dnas", mask=mask, causal=True)
+    if u is None:
+        w = attnlab.attention_weights(s, "dnas", mask=mask, causal=True)
+    else:
+        w = attnlab.attention_weights(s, "hnas", mask=mask, causal=True, u=u.double()[None, :, None, None])
     return (w @ v.double()[None])[0]
 
 
@@ -523,6 +527,31 @@ def test_causal_dnas_equals_float64_reference(dtype, BH, M, N):
 
     _check_against_reference(call, lambda *problem: _causal_reference(*problem, 0.35),
                              _masked_problem(M * N + 7, dtype, BH, M, N), dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("BH", "M", "N"), [
+    (3, 300, 1100),  # parts of a head, each with its own softmax state, merged (three key chunks)
+    (12, 140, 600),  # heads whole to threads; key chunks of 512 and a last one of 88
+    (2, 300, 100),  # M > N
+    (1, 1, 1),
+])
+def test_causal_hnas_equals_float64_reference(dtype, BH, M, N):
+    """causal_hnas (causal DNAS's one pass with the causal softmax's online row maxima and a second
+    value product) against the float64 materialized causal HNAS, with per-head weights that include u =
+    0 and u = 1, invalid keys and queries, a head with every key masked, unmasked, and on strided
+    views. The queries are scaled up so that rows' maxima rise across key chunks by tens of nats."""
+    u = torch.linspace(0.0, 1.0, BH, dtype=dtype) if BH > 1 else torch.tensor([0.3], dtype=dtype)
+
+    def call(q, k, v, kb, rb):
+        out, redo = ops.causal_hnas(q, k, v, kb, rb, u, 0.35, nz.functions.LSE_FLOOR)
+        return out, not redo.any()
+
+    q, k, v, *rest = _masked_problem(M * N + 11, dtype, BH, M, N)
+    ramp = torch.linspace(1.0, 4.0, N, dtype=dtype)[None, :, None]  # later keys score higher
+    problem = (q * 2.0, k * ramp[:, : k.shape[1]], v, *rest)
+    _check_against_reference(call, lambda *pr: _causal_reference(*pr, 0.35, u=u), problem, dtype)
 
 
 @needs_kernels
@@ -549,7 +578,9 @@ def test_causal_dnas_underflowed_rows_are_redone_exactly():
 @pytest.mark.parametrize("mask_kind", ["none", "keys", "queries"])
 def test_causal_dnas_attend_takes_the_kernel(monkeypatch, mask_kind):
     """attend's causal DNAS (and causal Sinkhorn, iters = 1) without gradients goes through
-    causal_dnas, and gives what the blocked PyTorch path gives; with gradients it takes that path."""
+    causal_dnas, and gives what the blocked PyTorch path gives; with gradients it takes that path.
+    Causal HNAS (one weight per head) goes through causal_hnas and gives the PyTorch path's lerp of
+    causal softmax and causal DNAS."""
     B, H, M, N = 2, 3, 150, 150
     q, k, v = _qkv(19, B, H, M, N, 16, 8)
     mask = _masks(B, H, M, N, torch.Generator().manual_seed(4))[mask_kind]
@@ -557,17 +588,21 @@ def test_causal_dnas_attend_takes_the_kernel(monkeypatch, mask_kind):
     with torch.no_grad():
         fast = attnlab.attend(q, k, v, "dnas", mask=mask, causal=True)
         sink = attnlab.attend(q, k, v, "sinkhorn", mask=mask, causal=True, iters=1)
-    assert calls == [True, True]
+        u = torch.tensor([0.2, 0.7, 1.0])[None, :, None, None]  # (1, H, 1, 1): one weight per head
+        hnas = attnlab.attend(q, k, v, "hnas", mask=mask, causal=True, u=u)
+    assert calls == [True, True, True]
     qg = q.clone().requires_grad_()
     graded = attnlab.attend(qg, k, v, "dnas", mask=mask, causal=True)
     graded.sum().backward()
-    assert calls[2:] == [False] and torch.isfinite(qg.grad).all()
+    assert calls[3:] == [False] and torch.isfinite(qg.grad).all()
     monkeypatch.setattr(kernels, "cpu_ops", lambda: None)
     with torch.no_grad():
         slow = attnlab.attend(q, k, v, "dnas", mask=mask, causal=True)
+        hnas_slow = attnlab.attend(q, k, v, "hnas", mask=mask, causal=True, u=u)
     torch.testing.assert_close(fast, sink, atol=0, rtol=0)
     torch.testing.assert_close(fast, slow, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(graded.detach(), slow, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(hnas, hnas_slow, atol=2e-5, rtol=2e-5)
 
 
 @needs_kernels

@@ -224,6 +224,10 @@ def fused_hnas(q, k, v, mask, scale, ctx):
     # Eq. (12) with V entering linearly: u * (pi_dnas V) + (1 - u) * (pi_unas V)
     if _small_with_grad(q, k, v, ctx):
         return _SmallDoublyNormalized.apply(q, k, v, as_weight(ctx.u, q), mask, scale, True)
+    if ctx.causal:  # one pass for the causal softmax and causal DNAS (kernels.causal_hnas)
+        out = kp.causal_kernel(q, k, v, mask, scale, ctx.u)
+        if out is not None:
+            return out
     out = None if ctx.causal else _held(q, k, v, mask, scale, u=ctx.u)
     if out is None:
         out = _mixed_kernel(q, k, v, mask, scale, ctx)

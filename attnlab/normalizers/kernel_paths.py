@@ -240,16 +240,22 @@ def panel_kernel(q, k, v, mask, scale):
     return out.view(*q.shape[:3], v.shape[-1])
 
 
-def causal_kernel(q, k, v, mask, scale):
+def causal_kernel(q, k, v, mask, scale, u=None):
     """Causal DNAS attention through kernels.causal_dnas (one pass: query blocks outer, each column's
-    running prefix maximum and sum carried down the rows); None where it does not apply (the
-    conditions of :func:`applies`) or where some row's weights underflowed (the kernel's ``redo``):
-    then the exact blocked path."""
-    found = _operands(q, k, v, mask)
-    if found is None:
+    running prefix maximum and sum carried down the rows), or with ``u`` (one weight per (batch, head)
+    or a number) causal HNAS through kernels.causal_hnas (the same pass with the causal softmax's
+    online row maxima and a second value product: one score product for both); None where it does not
+    apply (the conditions of :func:`applies`, u varying within a head) or where some row's weights
+    underflowed (the kernel's ``redo``): then the exact blocked path."""
+    found = _operands(q, k, v, mask, u)
+    weights = None if u is None else head_weights(u, q)
+    if found is None or (u is not None and weights is None):
         return None
     ops, qf, kf, vf, key_bias, row_bias = found
-    out, redo = ops.causal_dnas(qf, kf, vf, key_bias, row_bias, scale, LSE_FLOOR)
+    if weights is None:
+        out, redo = ops.causal_dnas(qf, kf, vf, key_bias, row_bias, scale, LSE_FLOOR)
+    else:
+        out, redo = ops.causal_hnas(qf, kf, vf, key_bias, row_bias, weights, scale, LSE_FLOOR)
     return None if bool(redo.any()) else out.view(*q.shape[:3], v.shape[-1])
 
 
