@@ -70,8 +70,8 @@ template <bool kMasked, typename T>
 inline void softmax_row(const T* __restrict s, const T* __restrict kb, int64_t lim, int64_t cw, int64_t Dv,
                         T* __restrict e, T& mu, T& l, T* __restrict acc) {
   const T ninf = -std::numeric_limits<T>::infinity();
-  T t = ninf;
-  for (int64_t j = 0; j < lim; ++j) t = std::max(t, kMasked ? s[j] + kb[j] : s[j]);
+  for (int64_t j = 0; j < lim; ++j) e[j] = kMasked ? s[j] + kb[j] : s[j];
+  const T t = row_max(e, lim);  // kernel_common.h (vectorized)
   if (t > mu) {  // the new maximum: rescale what was summed at the old one (nothing when it was -inf)
     const T f = mu == ninf ? T(0) : std::exp(mu - t);
     l *= f;
@@ -84,7 +84,7 @@ inline void softmax_row(const T* __restrict s, const T* __restrict kb, int64_t l
   }
   T sum = 0;
   for (int64_t j = 0; j < lim; ++j) {
-    const T x = exp_nonpos((kMasked ? s[j] + kb[j] : s[j]) - mu);  // masked keys: exp(-inf) = 0
+    const T x = exp_nonpos(e[j] - mu);  // masked keys: exp(-inf) = 0
     e[j] = x;
     sum += x;
   }
