@@ -116,7 +116,7 @@ void sweep(const CausalProblem<T>& p, int64_t bh, int64_t ja, int64_t jb, const 
         const int64_t gi = i0 + i, lim = std::min(cw, gi - j0 + 1);  // keys j <= gi
         if (!row_ok[gi] || lim <= 0) {
           std::fill(row, row + cw, T(0));
-            if constexpr (kHnas) std::fill(etile->data() + i * cw, etile->data() + (i + 1) * cw, T(0));
+          if constexpr (kHnas) std::fill(etile->data() + i * cw, etile->data() + (i + 1) * cw, T(0));
           continue;
         }
         if constexpr (kHnas) {  // before row_step overwrites the scores with P
@@ -169,7 +169,7 @@ bool finalize(const CausalProblem<T>& p, int64_t bh, const char* row_ok, const T
   return redo;
 }
 
-// Merges part t's causal softmax into part 0's (both of M rows): at their common maximum per row.
+// Merges one part's causal softmax b into another's, a (both of M rows), at their common maximum per row.
 template <typename T>
 void merge_softmax(const Softmax<T>& a, const Softmax<T>& b, int64_t M, int64_t Dv) {
   const T ninf = -std::numeric_limits<T>::infinity();
@@ -214,6 +214,12 @@ void causal_impl(const CausalProblem<T>& p, const T* u, T* out, bool* redo) {
     if (u) sweep<true>(p, bh, ja, jb, row_ok.data() + bh * M, acc, r, tile, m, z, sm->view(), &etile);
     else sweep<false>(p, bh, ja, jb, row_ok.data() + bh * M, acc, r, tile, m, z);
   };
+  // a head's output from its accumulators (sm: its softmax state when u is given)
+  auto finish = [&](int64_t bh, const T* acc, const T* r, SoftmaxBuffer<T>* sm) {
+    const Softmax<T> view = u ? sm->view() : Softmax<T>{};
+    redo[bh] = finalize(p, bh, row_ok.data() + bh * M, acc, r, out + bh * M * Dv, u ? &view : nullptr,
+                        u ? u[bh] : T(1));
+  };
   if (P == 1) {
     at::parallel_for(0, BH, 1, [&](int64_t begin, int64_t end) {
       SerialBlas serial;
@@ -224,9 +230,7 @@ void causal_impl(const CausalProblem<T>& p, const T* u, T* out, bool* redo) {
         std::fill(r.begin(), r.end(), T(0));
         if (u) sm.reset(M, Dv);
         run(bh, 0, N, acc.data(), r.data(), tile, m, z, &sm, etile);
-        const Softmax<T> view = sm.view();
-        redo[bh] = finalize(p, bh, row_ok.data() + bh * M, acc.data(), r.data(), out + bh * M * Dv,
-                            u ? &view : nullptr, u ? u[bh] : T(1));
+        finish(bh, acc.data(), r.data(), &sm);
       }
     });
     return;
@@ -263,10 +267,7 @@ void causal_impl(const CausalProblem<T>& p, const T* u, T* out, bool* redo) {
         for (int64_t i = 0; i < M; ++i) r0[i] += r0[part * M + i];
         if (u) merge_softmax(sms[bh * P].view(), sms[bh * P + part].view(), M, Dv);
       }
-      Softmax<T> view{};
-      if (u) view = sms[bh * P].view();
-      redo[bh] = finalize(p, bh, row_ok.data() + bh * M, a0, r0, out + bh * M * Dv, u ? &view : nullptr,
-                          u ? u[bh] : T(1));
+      finish(bh, a0, r0, u ? &sms[bh * P] : nullptr);
     }
   });
 }

@@ -226,11 +226,10 @@ def fused_hnas(q, k, v, mask, scale, ctx):
         return _SmallDoublyNormalized.apply(q, k, v, as_weight(ctx.u, q), mask, scale, True)
     if ctx.causal:  # one pass for the causal softmax and causal DNAS (kernels.causal_hnas)
         out = kp.causal_kernel(q, k, v, mask, scale, ctx.u)
-        if out is not None:
-            return out
-    out = None if ctx.causal else _held(q, k, v, mask, scale, u=ctx.u)
-    if out is None:
-        out = _mixed_kernel(q, k, v, mask, scale, ctx)
+    else:
+        out = _held(q, k, v, mask, scale, u=ctx.u)
+        if out is None:
+            out = _mixed_kernel(q, k, v, mask, scale, ctx)
     if out is not None:
         return out
     out_unas = fused_unas(q, k, v, mask, scale, ctx)

@@ -167,15 +167,17 @@ def sinkhorn_heads_kernel(q, k, v, mask, scale, ctx):
 
 
 def _operands(q, k, v, mask, u=None):
-    """(the CPU kernels, q, k, v as (B*H, L, D), key_bias, row_bias) for a kernel call, or None where
-    the kernels do not apply: Dv = 0 (BLAS refuses a leading dimension of 0; PyTorch's path gives the
-    empty output), the conditions of :func:`applies`, or not built."""
+    """(the CPU kernels, q, k, v as (B*H, L, D), key_bias, row_bias, u as one weight per (batch, head)
+    or None) for a kernel call, or None where the kernels do not apply: Dv = 0 (BLAS refuses a leading
+    dimension of 0; PyTorch's path gives the empty output), the conditions of :func:`applies`, u
+    varying within a head, or not built."""
     if v.shape[-1] == 0 or not applies(q, k, mask, needs_grad(q, k, v, u)):
         return None
-    ops = cpu_ops()
-    if ops is None:
+    found = _ops_and_weights(u, q)
+    if found is None:
         return None
-    return (ops, heads_flat(q), heads_flat(k), heads_flat(v), *separable_biases(q, k, mask))
+    ops, weights = found
+    return (ops, heads_flat(q), heads_flat(k), heads_flat(v), *separable_biases(q, k, mask), weights)
 
 
 def _ops_and_weights(u, q):
@@ -204,10 +206,7 @@ def held_kernel(q, k, v, mask, scale, u=None, iters: int = 1):
     found = _operands(q, k, v, mask, u)
     if found is None:
         return None
-    weights = None if u is None else head_weights(u, q)
-    if u is not None and weights is None:  # u varies within a head
-        return None
-    ops, qf, kf, vf, key_bias, row_bias = found
+    ops, qf, kf, vf, key_bias, row_bias, weights = found
     panels = None  # HNAS and Sinkhorn(k >= 2): bound-shifted panels, written once, read once (a round)
     big = PANEL_BYTES > 0 and M * N >= PANEL_HELD_MIN_SCORES
     if big and weights is not None:
@@ -235,7 +234,7 @@ def panel_kernel(q, k, v, mask, scale):
     found = _operands(q, k, v, mask) if PANEL_BYTES > 0 else None
     if found is None:
         return None
-    ops, qf, kf, vf, key_bias, row_bias = found
+    ops, qf, kf, vf, key_bias, row_bias, _ = found
     out = ops.panel_dnas(qf, kf, vf, key_bias, row_bias, scale, PANEL_BYTES)
     return out.view(*q.shape[:3], v.shape[-1])
 
@@ -248,10 +247,9 @@ def causal_kernel(q, k, v, mask, scale, u=None):
     apply (the conditions of :func:`applies`, u varying within a head) or where some row's weights
     underflowed (the kernel's ``redo``): then the exact blocked path."""
     found = _operands(q, k, v, mask, u)
-    weights = None if u is None else head_weights(u, q)
-    if found is None or (u is not None and weights is None):
+    if found is None:
         return None
-    ops, qf, kf, vf, key_bias, row_bias = found
+    ops, qf, kf, vf, key_bias, row_bias, weights = found
     if weights is None:
         out, redo = ops.causal_dnas(qf, kf, vf, key_bias, row_bias, scale, LSE_FLOOR)
     else:
