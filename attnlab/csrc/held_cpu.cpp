@@ -64,7 +64,7 @@ void held_impl(const HeldProblem<T>& p, int64_t budget_elems) {
   // fewer, the more of the group stays in the last-level cache)
   int64_t G = std::max<int64_t>(1, std::min<int64_t>(p.BH, budget_elems / std::max<int64_t>(head, 1)));
   G = std::min<int64_t>(G, std::max<int64_t>(1, (4 * threads + nb - 1) / nb));
-  std::unique_ptr<T[]> held(new T[G * head]);  // not zeroed: phase 1 writes every valid row
+  HeldBuffer<T> held(G * head);  // not zeroed: phase 1 writes every valid row
   std::vector<T> bmax(G * nb * N), bsum(G * nb * N), c(G * N), phi(G * nb), recentre(G);
   std::vector<char> row_ok(G * M);
 

@@ -139,7 +139,7 @@ std::tuple<at::Tensor, at::Tensor> panel_hnas(const at::Tensor& q, const at::Ten
                            out.data_ptr<scalar_t>(), z.BH, z.M, z.N, z.D, z.Dv, q.stride(0), q.stride(1),
                            k.stride(0), k.stride(1), v.stride(0), v.stride(1), (scalar_t)scale};
     const int64_t C = panel_keys(z.M, z.N, panel_bytes / (int64_t)sizeof(scalar_t));
-    std::unique_ptr<scalar_t[]> held(new scalar_t[z.M * z.N]);
+    HeldBuffer<scalar_t> held(z.M * z.N);
     std::vector<scalar_t> part(at::get_num_threads() * 2 * z.M);
     bool* d = done.data_ptr<bool>();
     for (int64_t bh = 0; bh < z.BH; ++bh) d[bh] = hnas_head(p, bh, C, held.get(), part);
