@@ -6,7 +6,8 @@
 
 attnlab.kernels.CFLAGS is patched in this process before anything builds (the build directory is keyed
 by the flags, so each -march gets its own cached build), then pytest runs in-process; the default test
-files are tests/test_kernels.py and tests/test_numerics.py.
+files are tests/test_kernels.py and tests/test_numerics.py. Run it without pytest-xdist's ``-n``: its
+worker processes import attnlab afresh and would test the native build instead.
 """
 
 import sys
