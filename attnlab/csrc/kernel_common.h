@@ -10,7 +10,11 @@
 #include <limits>
 #include <memory>
 #include <cstdlib>
+#if defined(__linux__)
 #include <sys/mman.h>
+#elif defined(_WIN32)
+#include <malloc.h>
+#endif
 #include <vector>
 
 extern "C" {
@@ -148,19 +152,30 @@ void exact_mix_row(T* x, T* y, const T* c, int64_t n, T u) {
   for (int64_t j = 0; j < n; ++j) x[j] = u * x[j] + (inv == T(0) ? T(0) : (T(1) - u) * y[j] * inv);
 }
 
-// Memory for one head's held scores (M x N, 64 MiB at 4096 tokens): 2 MiB aligned and marked for
-// transparent huge pages (madvise; a hint the kernel may ignore). With 4 KiB pages a fresh buffer
+// Memory for held scores (one head's M x N: 64 MiB at 4096 tokens): from 4 MiB on, 2 MiB aligned and
+// marked for transparent huge pages (madvise; a hint the OS may ignore). With 4 KiB pages a fresh buffer
 // costs ~16,000 page faults (12-15 ms a call here) and the panel passes a TLB miss per page.
 template <typename T>
 struct HeldBuffer {
+#if defined(_WIN32)
+  std::unique_ptr<T[], void (*)(void*)> data{nullptr, _aligned_free};
+#else
   std::unique_ptr<T[], void (*)(void*)> data{nullptr, std::free};
+#endif
   explicit HeldBuffer(int64_t n) {
     constexpr size_t kHuge = size_t(2) << 20;
-    const size_t bytes = (std::max<size_t>(size_t(n) * sizeof(T), 1) + kHuge - 1) / kHuge * kHuge;
+    const size_t need = std::max<size_t>(size_t(n) * sizeof(T), 1);
+    const bool huge = need >= 2 * kHuge;  // smaller buffers: cache-line aligned, as they are
+    const size_t align = huge ? kHuge : 64, bytes = (need + align - 1) / align * align;
+#if defined(_WIN32)
+    void* raw = _aligned_malloc(bytes, align);
+#else
     void* raw = nullptr;
-    TORCH_CHECK(posix_memalign(&raw, kHuge, bytes) == 0, "attnlab: cannot allocate ", bytes, " bytes of held scores");
+    if (posix_memalign(&raw, align, bytes) != 0) raw = nullptr;
+#endif
+    TORCH_CHECK(raw != nullptr, "attnlab: cannot allocate ", bytes, " bytes of held scores");
 #ifdef MADV_HUGEPAGE
-    madvise(raw, bytes, MADV_HUGEPAGE);
+    if (huge) madvise(raw, bytes, MADV_HUGEPAGE);
 #endif
     data.reset(static_cast<T*>(raw));
   }
