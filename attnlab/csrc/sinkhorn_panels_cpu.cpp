@@ -63,11 +63,14 @@ bool sinkhorn_head(const SinkhornProblem<T>& p, int64_t bh, int64_t C, T* held, 
   if (!held_panels(q, p.sq_m, M, k, p.sk_n, N, p.D, p.scale, kb, row_ok.data(), bnd.data(), C, held, f.data(),
                    c.data(), (const T*)nullptr, part))
     return false;
-  for (int64_t i = 0; i < M; ++i) {
-    T s = 0;
-    for (int64_t t = 0; t < threads; ++t) s += part[t * 2 * M + i];
-    l[i] = s;
-  }
+  auto gather_rows = [&] {  // l_i = the threads' parts of a row step
+    for (int64_t i = 0; i < M; ++i) {
+      T s = 0;
+      for (int64_t t = 0; t < threads; ++t) s += part[t * 2 * M + i];
+      l[i] = s;
+    }
+  };
+  gather_rows();
   const T rc = T(m_valid) / T(n_valid);
   auto rows_ok = [&] {
     for (int64_t i = 0; i < M; ++i)
@@ -112,12 +115,7 @@ bool sinkhorn_head(const SinkhornProblem<T>& p, int64_t bh, int64_t C, T* held, 
       }
     });
     if (bad) return false;
-    if (row_step)
-      for (int64_t i = 0; i < M; ++i) {
-        T s = 0;
-        for (int64_t t = 0; t < threads; ++t) s += part[t * 2 * M + i];
-        l[i] = s;
-      }
+    if (row_step) gather_rows();
   }
   // out = diag(1 / l) x diag(f) v, with l from the same rows (the last row step)
   std::vector<T> vf(N * Dv);
