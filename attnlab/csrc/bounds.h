@@ -139,6 +139,18 @@ inline int64_t panel_keys(int64_t M, int64_t N, int64_t elems) {
   return C;
 }
 
+// rs_i += sum_j x_ij f_j for the n rows of a panel's piece x (n x cw, leading dimension cw): a row
+// step's part from one column chunk (held_panels, panel_sinkhorn's rounds and value pass).
+template <typename T>
+inline void add_row_dots(const T* x, int64_t n, int64_t cw, const T* f, T* rs) {
+  for (int64_t i = 0; i < n; ++i) {
+    const T* row = x + i * cw;
+    T s = 0;
+    for (int64_t j = 0; j < cw; ++j) s += row[j] * f[j];
+    rs[i] += s;
+  }
+}
+
 // Phase A of the held panels (hnas_cpu.cpp, sinkhorn_panels_cpu.cpp): one head's column chunks of C
 // keys in parallel, chunk J's panel x (M x cw) at held + j0 M (chunk-major), its score tiles through an
 // L2 scratch tile first (with BLAS writing straight into the fresh buffer, perf put 8 % of HNAS's time
@@ -166,13 +178,7 @@ bool held_panels(const T* q, int64_t sq_m, int64_t M, const T* k, int64_t sk_n, 
         loose = true;
         break;
       }
-      const T* fj = f + j0;
-      for (int64_t i = 0; i < M; ++i) {
-        const T* row = x + i * cw;
-        T sd = 0;
-        for (int64_t j = 0; j < cw; ++j) sd += row[j] * fj[j];
-        td[i] += sd;
-      }
+      add_row_dots(x, M, cw, f + j0, td);
     }
   });
   return !loose;
