@@ -43,7 +43,8 @@ head's rows; a head whose scores span more than 60 nats in log space, ``analysis
 Building needs a C++ compiler (``g++``; scripts/install.sh installs it) and ninja (the ``ninja`` PyPI
 package, in requirements.txt); the build takes about 20 s once and is cached per source, flags and
 torch version and CPU under ``$ATTNLAB_CACHE`` (default ``~/.cache/attnlab``). Concurrent first uses (pytest
--n, several app sessions) wait for one build through torch's file lock. If the build fails, or with
+-n, several app sessions, Ray workers) wait for one build under an OS file lock (:func:`_build_lock`),
+which a process killed while building does not leave behind. If the build fails, or with
 ``ATTNLAB_KERNELS=0``, ``cpu_ops()`` returns None and attnlab uses PyTorch's own kernels instead
 (correct, slower); the reason is warned once and kept in ``build_error()``.
 
@@ -52,6 +53,7 @@ torch version and CPU under ``$ATTNLAB_CACHE`` (default ``~/.cache/attnlab``). C
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
@@ -118,10 +120,33 @@ def _build():
     _ninja_on_path()
     directory = _build_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    load(name=f"attnlab_cpu_{directory.name.split('-')[1]}", sources=[str(src) for src in SOURCES],
-         extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, build_directory=str(directory), is_python_module=False,
-         verbose=False)
+    with _build_lock(directory):  # copies of the flags: load appends torch's libraries to extra_ldflags
+        load(name=f"attnlab_cpu_{directory.name.split('-')[1]}", sources=[str(src) for src in SOURCES],
+             extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), build_directory=str(directory),
+             is_python_module=False, verbose=False)
     return torch.ops.attnlab
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path):
+    """One process at a time builds or loads the kernels of ``directory``, under an OS file lock that
+    goes with its holder. torch's own lock there (a file named ``lock`` that ``load`` creates and
+    removes) stays behind when a process is killed while holding it (a Ray worker or an app server
+    SIGKILLed while it loads the kernels), and every later ``load`` of that directory would wait for it
+    forever; under this lock such a file can only be stale, so it is removed. Without ``fcntl`` (not
+    POSIX) torch's lock alone serializes the builds."""
+    try:
+        import fcntl  # noqa: PLC0415
+    except ImportError:
+        yield
+        return
+    with open(directory / "attnlab.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (directory / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def cpu_ops():

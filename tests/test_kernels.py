@@ -702,3 +702,28 @@ def test_panel_sinkhorn_leaves_underflowing_and_loose_heads_to_held_attend(monke
     ref = _held_reference(q, k, v, ones, ones, "sinkhorn", 1.0, iters=3)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+
+
+@needs_kernels
+@pytest.mark.slow  # a fresh interpreter
+def test_a_stale_torch_build_lock_does_not_stop_a_new_process():
+    """A process killed while it loaded the kernels leaves torch's lock file in the build directory;
+    the next process removes it under attnlab's own file lock and loads the kernels instead of waiting
+    for it forever. Its build directory is the same after the load as before (load appends to the
+    flags it is given: attnlab passes copies)."""
+    import fcntl
+    import subprocess
+    import sys
+
+    directory = kernels._build_dir()
+    with open(directory / "attnlab.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # no other process loads while the stale file is made
+        (directory / "lock").touch()
+        fcntl.flock(handle, fcntl.LOCK_UN)
+    script = ("from attnlab import kernels; before = kernels._build_dir(); "
+              "assert kernels.cpu_ops() is not None, kernels.build_error(); "
+              "print(before == kernels._build_dir(), before)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", str(directory)]
+    assert not (directory / "lock").exists()
