@@ -870,10 +870,10 @@ def test_kernel_computes_wide_heads_in_log_space(monkeypatch, iters):
     linear = {}
 
     class Spy:
-        def head(self, *args):
-            head = 0 if float(args[0][0, 0]) == 10.0 else 1  # args[0]: the head's q
-            linear[head] = ops.head(*args)
-            return linear[head]
+        def heads(self, *args):
+            flags = ops.heads(*args)  # (M,) bool: linear, map by map
+            linear.update(enumerate(flags.tolist()))
+            return flags
 
     monkeypatch.setattr(kernels, "analysis_ops", lambda: Spy())
     monkeypatch.setattr(fused_sums, "_wide_head", lambda *a: pytest.fail("PyTorch fallback ran"))
@@ -902,15 +902,22 @@ def test_kernel_computes_wide_heads_in_log_space(monkeypatch, iters):
                 torch.testing.assert_close(got, t, atol=2e-5, rtol=1e-4, msg=f"{v} {key}")
 
 
-@pytest.mark.parametrize("scale", [0.003, 0.05, 0.6])
+@pytest.mark.parametrize("scale", [0.003, 0.05, 0.6, "ramp"])
 def test_fused_js_distances_are_accurate_for_close_and_far_rows(scale):
-    """The kernel's Jensen-Shannon terms (one logarithm each, ln x from the factors) against a float64
-    literal computation, for rows nearly equal to unas' (distances ~1e-3) and far from them."""
+    """The kernel's Jensen-Shannon terms (ln x from the factors; on AVX-512 a table of chi(ln x), no
+    logarithm) against a float64 literal computation, for rows nearly equal to unas' (distances ~1e-3),
+    far from them, and ("ramp") a head whose dnas weights differ from unas' by up to e^25 either way:
+    scores falling 0.8 nats a key (span 50, still a linear head), nearly the same in every row, so
+    that dnas spreads each row almost evenly."""
     from attnlab.hf import fused_sums
 
     torch.manual_seed(3)
     L, H, N, D = 1, 2, 64, 16
     q, k = torch.randn(L, 1, H, N, D), torch.randn(L, 1, H, N, D)
+    if scale == "ramp":
+        q, k = 0.01 * q, 0.01 * k
+        q[..., 0], k[..., 0] = 1.0, -0.8 * torch.arange(N, dtype=torch.float32)
+        scale = 1.0
     special = torch.zeros(N, dtype=torch.bool)
     special[0] = True
     weights, sums = fused_sums.variants_with_sums(q, k, [scale], KERNEL, 0.4, 3, [special])

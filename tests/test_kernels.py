@@ -727,3 +727,26 @@ def test_a_stale_torch_build_lock_does_not_stop_a_new_process():
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["True", str(directory)]
     assert not (directory / "lock").exists()
+
+
+@pytest.mark.slow
+def test_the_js_table_is_the_fit_of_its_script():
+    """kChiTable in attnlab/csrc/analysis_vec.h (the AVX-512 analysis kernel's Jensen-Shannon terms)
+    is exactly what scripts/fit_js_table.py fits, and that fit reproduces chi to 5e-7 (relative)."""
+    import importlib.util
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("fit_js_table", root / "scripts" / "fit_js_table.py")
+    fit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fit)
+    header = (root / "attnlab" / "csrc" / "analysis_vec.h").read_text()
+    body = header[header.index("kChiTable[8][16] = {"):]
+    body = body[: body.index("};")]
+    number = r"(-?[0-9.]+e[-+][0-9]+)f"
+    rows = [[float(v) for v in re.findall(number, line)] for line in body.splitlines()[1:]]
+    table = fit.fit()
+    assert len(rows) == table.shape[0] == fit.DEGREE + 1
+    assert torch.equal(torch.tensor(rows, dtype=torch.float32), torch.from_numpy(table))
+    assert fit.max_relative_error(table) < 5e-7

@@ -1,14 +1,16 @@
-// attnlab CPU kernel for attnlab.hf: one head of the fused analysis (attnlab/hf/fused_sums.py, variants_with_sums).
+// attnlab CPU kernel for attnlab.hf: the heads of the fused analysis (attnlab/hf/fused_sums.py, variants_with_sums).
 //
-//   head(q, k, scale, spec_t, iters, check_span, u, pu?, pd?, ph?, ps?, s, e, alpha, beta, cols,
-//        dn_rows, sk_rows, stats, js_dnas, js_hnas, js_sinkhorn, hnas, sinkhorn) -> bool
+//   heads(q, k, scale, spec_t, iters, check_span, u, order, pu?, pd?, ph?, ps?, alpha, beta, cols,
+//         dn_rows, sk_rows, stats, js_dnas, js_hnas, js_sinkhorn, hnas, sinkhorn) -> linear
 //
+// M maps (every layer's heads of a window) stacked along a first dimension, on torch's intra-op
+// threads, one head per thread at a time (`heads` at the end of this file). Per map, as below.
 // hnas, sinkhorn: those variants are analysed (their factors and sums) whether or not their weights
 // are asked for (ph, ps): the statistics come from this pass without writing any weights, and a
 // variant's weights, written later by the same call, have the same values (attnlab/hf/lazy_weights.py).
 //
-// q, k (N, D): the head's queries and keys; scores s = scale q k^T. Returns true for a linear head:
-// with E_ij = exp(s_ij - max_j s_ij) (s and e hold s - max and E afterwards), every variant is a
+// q, k (N, D): the head's queries and keys; scores s = scale q k^T. Linear head (true): with
+// E_ij = exp(s_ij - max_j s_ij) (the thread's scratch s and e hold s - max and E), every variant is a
 // diagonal scaling of E (DESIGN.md §2; Eq. numbers of "Attention that does not Explain Away"):
 //   unas (1)      alpha_u,i E_ij                 alpha_u = 1 / (E 1)
 //   dnas (5)      alpha_d,i E_ij beta_d,j        beta_d = 1 / (rho^T E), rho_i = exp(row max - head max),
@@ -29,10 +31,11 @@
 //                        p = dnas, hnas, sinkhorn and q = unas weights: sum_j p log1p(d) + q log1p(-d),
 //                        d = (p - q)/(p + q), twice the Jensen-Shannon divergence in nats without
 //                        the cancellation of H(m) - (H(p) + H(q))/2 (when js_<variant>)
-// float32, contiguous. Single-threaded: the caller runs one head per thread.
+// float32, contiguous. One head on one thread.
 //
 // Passes over the head (N x N floats: s and e stay in the L3 cache, a row in L1):
-//   score_pass       a block of rows at a time while they are in L2: the scores (BLAS), their row
+//   score_pass       a block of rows at a time while they are in L2: the scores (register tiles on
+//                    AVX-512, analysis_scores.h; BLAS otherwise), their row
 //                    maxima, s - max, E and its row sums, DNAS's column sums
 //   dnas_pass        dn_rows (one sweep of each row for all its dot products), alpha_u, alpha_d, cols
 //   sinkhorn_rounds  the rounds after DNAS's, one row and one column step per sweep
@@ -41,11 +44,15 @@
 //                    (one sweep each, from L1, so that a sweep's accumulators fit the registers).
 // The ratios of the weights to the unas weights are known from the factors (x_v = alpha_v beta_v,j /
 // alpha_u, ln x_v likewise), so each logarithm term costs one logarithm: ln m for HNAS (m = h / p_u
-// = 1 - u + u x_d) and one per Jensen-Shannon sum (js_terms_x).
+// = 1 - u + u x_d) and one per Jensen-Shannon sum (js_terms_x), none on AVX-512, where js_terms_x
+// reads a table of chi(ln x) (analysis_vec.h).
 #include "analysis_head.h"
+#include "analysis_scores.h"
 #include "analysis_wide.h"
 #include "kernel_common.h"
 
+#include <atomic>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -63,12 +70,21 @@ bool score_pass(Head& h, const float* q, int64_t ldq, const float* k, int64_t ld
   float* colsum = h.beta + N;
   std::fill(colsum, colsum + N, 0.f);
   float run = -std::numeric_limits<float>::infinity(), smin = std::numeric_limits<float>::infinity();
+#if defined(CPU_CAPABILITY_AVX512)
+  KeyPanels kp;  // k in panels for score_block (analysis_scores.h)
+  kp.pack(k, ldk, N, D);
+#else
   SerialBlas serial;
+#endif
   const int64_t rows = std::max<int64_t>(1, std::min(kBlockRows, kBlockFloats / std::max<int64_t>(N, 1)));
   for (int64_t i0 = 0; i0 < N; i0 += rows) {
     const int64_t R = std::min(rows, N - i0);
     float* sb = h.s + i0 * N;
+#if defined(CPU_CAPABILITY_AVX512)
+    score_block(R, N, D, scale, q + i0 * ldq, ldq, kp.data, sb, N);
+#else
     gemm_abt(R, N, D, scale, q + i0 * ldq, ldq, k, ldk, 0.f, sb, N);
+#endif
     float bmax = -std::numeric_limits<float>::infinity();
     for (int64_t r = 0; r < R; ++r) {
       mu[i0 + r] = row_max(sb + r * N, N);  // kernel_common.h
@@ -263,47 +279,24 @@ void row_pass(Head& h, bool sinkhorn_final) {
 #endif
 }
 
-void check(const at::Tensor& t, std::initializer_list<int64_t> shape, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.sizes().equals(shape), "head: ", name,
-              " must be a contiguous float32 tensor of shape ", at::IntArrayRef(shape), ", got ", t.sizes());
+void check(const at::Tensor& t, at::IntArrayRef shape, at::ScalarType dtype, const char* name) {
+  TORCH_CHECK(t.scalar_type() == dtype && t.is_contiguous() && t.sizes().equals(shape), "heads: ", name,
+              " must be a contiguous ", dtype, " tensor of shape ", shape, ", got ", t.scalar_type(), " ",
+              t.sizes());
 }
 
-float* out_ptr(const c10::optional<at::Tensor>& t, int64_t N, const char* name) {
+float* out_ptr(const c10::optional<at::Tensor>& t, int64_t M, int64_t N, const char* name) {
   if (!t.has_value() || !t->defined()) return nullptr;
-  check(*t, {N, N}, name);
+  check(*t, {M, N, N}, at::kFloat, name);
   return t->data_ptr<float>();
 }
 
-bool head(const at::Tensor& q, const at::Tensor& k, double scale, const at::Tensor& spec_t, int64_t iters,
-          bool check_span, double u, const c10::optional<at::Tensor>& pu, const c10::optional<at::Tensor>& pd,
-          const c10::optional<at::Tensor>& ph, const c10::optional<at::Tensor>& ps, const at::Tensor& s,
-          const at::Tensor& e, const at::Tensor& alpha, const at::Tensor& beta, const at::Tensor& cols,
-          const at::Tensor& dn_rows, const at::Tensor& sk_rows, const at::Tensor& stats, bool js_dnas,
-          bool js_hnas, bool js_sinkhorn, bool hnas, bool sinkhorn) {
-  const int64_t N = q.size(0), S = spec_t.size(0);
-  TORCH_CHECK(q.dim() == 2 && k.dim() == 2 && k.size(0) == N && k.size(1) == q.size(1) &&
-                  q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat,
-              "head: q and k must be float32 (N, D)");
-  check(spec_t, {S, N}, "spec_t");
-  check(s, {N, N}, "s");
-  check(e, {N, N}, "e");
-  check(alpha, {3, N}, "alpha");
-  check(beta, {3, N}, "beta");
-  check(cols, {3, N}, "cols");
-  check(dn_rows, {N, 3 + 2 * S}, "dn_rows");
-  check(sk_rows, {N, 2 + S}, "sk_rows");
-  check(stats, {N, kStats}, "stats");
-  Head h{N, S, s.data_ptr<float>(), e.data_ptr<float>(), alpha.data_ptr<float>(), beta.data_ptr<float>(),
-         cols.data_ptr<float>(), dn_rows.data_ptr<float>(), sk_rows.data_ptr<float>(), stats.data_ptr<float>(),
-         spec_t.data_ptr<float>(), out_ptr(pu, N, "pu"), out_ptr(pd, N, "pd"), out_ptr(ph, N, "ph"),
-         out_ptr(ps, N, "ps"), float(u), js_dnas, js_hnas, js_sinkhorn, hnas || (ph.has_value() && ph->defined())};
-  TORCH_CHECK(!js_hnas || h.want_h, "head: js_hnas needs hnas");
-  const at::Tensor qc = q.stride(1) == 1 ? q : q.contiguous(), kc = k.stride(1) == 1 ? k : k.contiguous();
-  std::vector<float> mu(N);
-  const bool sinkhorn_analysed = sinkhorn || (ps.has_value() && ps->defined());
-  if (!score_pass(h, qc.data_ptr<float>(), qc.stride(0), kc.data_ptr<float>(), kc.stride(0), q.size(1),
-                  float(scale), check_span, mu.data())) {
-    wide_head(h, mu.data(), iters, sinkhorn_analysed);  // analysis_wide.h
+// One head: its passes (the file's header) on the scratch in h; false for a wide head.
+bool run_head(Head& h, const float* q, int64_t ldq, const float* k, int64_t ldk, int64_t D, float scale,
+              bool check_span, int64_t iters, bool sinkhorn_analysed, float* mu) {
+  const int64_t N = h.N;
+  if (!score_pass(h, q, ldq, k, ldk, D, scale, check_span, mu)) {
+    wide_head(h, mu, iters, sinkhorn_analysed);  // analysis_wide.h
     return false;
   }
   dnas_pass(h);
@@ -320,13 +313,78 @@ bool head(const at::Tensor& q, const at::Tensor& k, double scale, const at::Tens
   return true;
 }
 
+// The M maps (heads) of a window, taken in `order` by torch's intra-op threads: each thread takes the
+// next map until none is left (so a wide head, several linear ones' work, started first does not leave
+// the others idle at the end), on its own scratch for s and e. q, k (M, N, D) with unit stride along D;
+// scale (M) float64, check_span (M) bool, u (M) float64, order (M) int64: a permutation of the maps;
+// every output is the per-map layout of the file's header stacked over M. Returns bool (M): linear.
+at::Tensor heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& scale, const at::Tensor& spec_t,
+                 int64_t iters, const at::Tensor& check_span, const at::Tensor& u, const at::Tensor& order,
+                 const c10::optional<at::Tensor>& pu, const c10::optional<at::Tensor>& pd,
+                 const c10::optional<at::Tensor>& ph, const c10::optional<at::Tensor>& ps, const at::Tensor& alpha,
+                 const at::Tensor& beta, const at::Tensor& cols, const at::Tensor& dn_rows, const at::Tensor& sk_rows,
+                 const at::Tensor& stats, bool js_dnas, bool js_hnas, bool js_sinkhorn, bool hnas, bool sinkhorn) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes().equals(q.sizes()) && q.scalar_type() == at::kFloat &&
+                  k.scalar_type() == at::kFloat,
+              "heads: q and k must be float32 (M, N, D) of one shape, got ", q.sizes(), " and ", k.sizes());
+  const int64_t M = q.size(0), N = q.size(1), D = q.size(2), S = spec_t.size(0);
+  const at::Tensor qc = q.stride(2) == 1 ? q : q.contiguous(), kc = k.stride(2) == 1 ? k : k.contiguous();
+  check(scale, {M}, at::kDouble, "scale");
+  check(check_span, {M}, at::kBool, "check_span");
+  check(u, {M}, at::kDouble, "u");
+  check(order, {M}, at::kLong, "order");
+  check(spec_t, {S, N}, at::kFloat, "spec_t");
+  check(alpha, {M, 3, N}, at::kFloat, "alpha");
+  check(beta, {M, 3, N}, at::kFloat, "beta");
+  check(cols, {M, 3, N}, at::kFloat, "cols");
+  check(dn_rows, {M, N, 3 + 2 * S}, at::kFloat, "dn_rows");
+  check(sk_rows, {M, N, 2 + S}, at::kFloat, "sk_rows");
+  check(stats, {M, N, kStats}, at::kFloat, "stats");
+  float *w_u = out_ptr(pu, M, N, "pu"), *w_d = out_ptr(pd, M, N, "pd");
+  float *w_h = out_ptr(ph, M, N, "ph"), *w_s = out_ptr(ps, M, N, "ps");
+  const bool want_h = hnas || w_h, sinkhorn_analysed = sinkhorn || w_s;
+  TORCH_CHECK(!js_hnas || want_h, "heads: js_hnas needs hnas");
+  const int64_t* ord = order.data_ptr<int64_t>();
+  std::vector<bool> seen(M, false);
+  for (int64_t i = 0; i < M; ++i) {
+    TORCH_CHECK(ord[i] >= 0 && ord[i] < M && !seen[ord[i]], "heads: order must be a permutation of 0..", M - 1);
+    seen[ord[i]] = true;
+  }
+  at::Tensor linear = at::ones({M}, at::kBool);
+  bool* lin = linear.data_ptr<bool>();
+  const double *sc = scale.data_ptr<double>(), *uu = u.data_ptr<double>();
+  const bool* chk = check_span.data_ptr<bool>();
+  const int64_t W = 3 + 2 * S, NN = N * N;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), M), 1, [&](int64_t, int64_t) {
+#if !defined(CPU_CAPABILITY_AVX512)
+    SerialBlas serial;  // the scores by BLAS, one thread per head
+#endif
+    std::unique_ptr<float[]> s(new float[NN]), e(new float[NN]);  // uninitialized: the score pass writes them
+    std::vector<float> mu(N);
+    for (int64_t i = next++; i < M; i = next++) {
+      const int64_t m = ord[i];
+      auto at_map = [m](float* p, int64_t size) { return p ? p + m * size : nullptr; };
+      Head h{N, S, s.get(), e.get(), alpha.data_ptr<float>() + m * 3 * N, beta.data_ptr<float>() + m * 3 * N,
+             cols.data_ptr<float>() + m * 3 * N, dn_rows.data_ptr<float>() + m * N * W,
+             sk_rows.data_ptr<float>() + m * N * (2 + S), stats.data_ptr<float>() + m * N * kStats,
+             spec_t.data_ptr<float>(), at_map(w_u, NN), at_map(w_d, NN), at_map(w_h, NN), at_map(w_s, NN),
+             float(uu[m]), js_dnas, js_hnas, js_sinkhorn, want_h};
+      lin[m] = run_head(h, qc.data_ptr<float>() + m * qc.stride(0), qc.stride(1),
+                        kc.data_ptr<float>() + m * kc.stride(0), kc.stride(1), D, float(sc[m]), chk[m], iters,
+                        sinkhorn_analysed, mu.data());
+    }
+  });
+  return linear;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(attnlab_hf, m) {
-  m.def("head(Tensor q, Tensor k, float scale, Tensor spec_t, int iters, bool check_span, float u, "
-        "Tensor(a!)? pu, Tensor(b!)? pd, Tensor(c!)? ph, Tensor(d!)? ps, Tensor(e!) s, Tensor(f!) e, "
-        "Tensor(g!) alpha, Tensor(h!) beta, Tensor(i!) cols, Tensor(j!) dn_rows, Tensor(k!) sk_rows, "
-        "Tensor(l!) stats, bool js_dnas, bool js_hnas, bool js_sinkhorn, bool hnas, bool sinkhorn) -> bool");
+  m.def("heads(Tensor q, Tensor k, Tensor scale, Tensor spec_t, int iters, Tensor check_span, Tensor u, "
+        "Tensor order, Tensor(a!)? pu, Tensor(b!)? pd, Tensor(c!)? ph, Tensor(d!)? ps, Tensor(e!) alpha, "
+        "Tensor(f!) beta, Tensor(g!) cols, Tensor(h!) dn_rows, Tensor(i!) sk_rows, Tensor(j!) stats, "
+        "bool js_dnas, bool js_hnas, bool js_sinkhorn, bool hnas, bool sinkhorn) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(attnlab_hf, CPU, m) { m.impl("head", &head); }
+TORCH_LIBRARY_IMPL(attnlab_hf, CPU, m) { m.impl("heads", &heads); }

@@ -138,17 +138,51 @@ def variants_with_sums(q, k, scale, variants, u, iters, specials, use_kernel: bo
     spec_t = spec.t().contiguous()  # (S, N)
     settings = _HeadSettings(variants, iters, spec, dist, js_variants, clamp_hnas)
 
+    js = settings.js_variants if sums else ()
+    need = variants if sums else write
+    flags = ("dnas" in js, "hnas" in js, "sinkhorn" in js, "hnas" in need, "sinkhorn" in need)
+    workers = _WORKERS if _WORKERS is not None else torch.get_num_threads()
+    if kernel is not None:  # every map in the CPU kernel (attnlab/csrc/analysis_cpu.cpp), a wide one in its
+        # log-space path (analysis_wide.h) with the same buffer layout, on ``workers`` threads
+        maps = [out[v][:, 0].view(LH, N, N) if v in write else None
+                for v in ("unas", "dnas", "hnas", "sinkhorn")]
+        previous = torch.get_num_threads()
+        if workers != previous:
+            torch.set_num_threads(workers)
+        try:
+            kernel.heads(q[:, 0].reshape(LH, N, -1), k[:, 0].reshape(LH, N, -1),
+                         torch.tensor(scale, dtype=torch.float64).repeat_interleave(H), spec_t, iters,
+                         torch.tensor([b > LINEAR_SPAN_MAX for b in span_bound], dtype=torch.bool),
+                         u_maps.double().contiguous(), torch.tensor(queue, dtype=torch.int64), *maps,
+                         buf.alpha, buf.beta, buf.cols, buf.dn_rows, buf.sk_rows, buf.rows, *flags)
+        finally:
+            if workers != previous:
+                torch.set_num_threads(previous)
+    else:
+        _heads_torch(q, k, scale, u, variants, iters, spec, dist, ref, write, out, buf, queue, span_bound,
+                     u_maps, settings, workers, fallback)
+    if not sums:
+        return out, None
+    raw = _assemble_sums(buf, variants, ref, u_maps, iters, S)
+    for row, sums in fallback:
+        for v, r in sums.items():
+            for key, t in r.items():
+                if t is not None:
+                    raw[v][key][row] = t
+    return out, raw
+
+
+def _heads_torch(q, k, scale, u, variants, iters, spec, dist, ref, write, out, buf, queue, span_bound, u_maps,
+                 settings, workers, fallback) -> None:
+    """The maps of :func:`variants_with_sums` without attnlab's CPU kernel: PyTorch operations, heads taken
+    from ``queue`` by ``workers`` threads (one torch thread each), wide heads by :func:`_wide_head` into
+    ``fallback``."""
+    L, _, H, N, _ = q.shape
+    LH = L * H
     # per map: its q, k, weight outputs and buffer rows as views made at once (not indexed per head)
     q_maps, k_maps = q[:, 0].reshape(LH, N, -1).unbind(0), k[:, 0].reshape(LH, N, -1).unbind(0)
     out_maps = {v: out[v][:, 0].view(LH, N, N).unbind(0) for v in write}  # views: written in place
     u_list = u_maps.tolist()
-    buffers = (buf.alpha, buf.beta, buf.cols, buf.dn_rows, buf.sk_rows, buf.rows)
-    buf_rows = list(zip(*(t.unbind(0) for t in buffers), strict=True))  # per map: its rows of each
-    # without sums only the written variants are needed: no distances, no Sinkhorn rounds or HNAS rows
-    # that are not written (unas and dnas come from the same factors anyway)
-    js = settings.js_variants if sums else ()
-    need = variants if sums else write
-    flags = ("dnas" in js, "hnas" in js, "sinkhorn" in js, "hnas" in need, "sinkhorn" in need)
 
     def work(threads: int | None) -> None:
         """Take heads from the queue until it is empty (``threads``: this worker's torch threads)."""
@@ -165,13 +199,7 @@ def variants_with_sums(q, k, scale, variants, u, iters, specials, use_kernel: bo
             views = {v: out_maps[v][row] for v in write}
             ql, kl, u_h = q_maps[row], k_maps[row], u_list[row]
             check_span = span_bound[row] > LINEAR_SPAN_MAX
-            if kernel is not None:  # the whole head in the CPU kernel (attnlab/csrc/analysis_cpu.cpp), a wide
-                # one in its log-space path (analysis_wide.h) with the same buffer layout
-                kernel.head(ql, kl, scale[layer], spec_t, iters, check_span, u_h,
-                            *(views.get(v) for v in ("unas", "dnas", "hnas", "sinkhorn")), *scratch[:2],
-                            *buf_rows[row], *flags)
-                continue
-            s = scratch[0]  # the PyTorch path
+            s = scratch[0]
             torch.addmm(s, ql, kl.t(), beta=0.0, alpha=scale[layer], out=s)
             mu = s.amax(-1, keepdim=True)  # (N, 1) row maxima
             gmax = mu.max()
@@ -183,7 +211,6 @@ def variants_with_sums(q, k, scale, variants, u, iters, specials, use_kernel: bo
             wide = _wide_head(q, k, scale, u, layer, h, views, variants, iters, spec, dist, ref)
             fallback.append((row, wide))
 
-    workers = _WORKERS if _WORKERS is not None else torch.get_num_threads()
     if workers <= 1:
         work(None)
     else:  # one torch thread per worker: no per-operation barrier, idle workers take more heads
@@ -194,15 +221,6 @@ def variants_with_sums(q, k, scale, variants, u, iters, specials, use_kernel: bo
                 f.result()
         finally:
             torch.set_num_threads(previous)
-    if not sums:
-        return out, None
-    raw = _assemble_sums(buf, variants, ref, u_maps, iters, S)
-    for row, sums in fallback:
-        for v, r in sums.items():
-            for key, t in r.items():
-                if t is not None:
-                    raw[v][key][row] = t
-    return out, raw
 
 
 @dataclass(frozen=True)
