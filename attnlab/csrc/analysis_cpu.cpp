@@ -1,7 +1,8 @@
 // attnlab CPU kernel for attnlab.hf: the heads of the fused analysis (attnlab/hf/fused_sums.py, variants_with_sums).
 //
 //   heads(q, k, scale, spec_t, iters, check_span, u, order, pu?, pd?, ph?, ps?, alpha, beta, cols,
-//         dn_rows, sk_rows, stats, js_dnas, js_hnas, js_sinkhorn, hnas, sinkhorn) -> linear
+//         dn_rows, sk_rows, stats, js_dnas, js_hnas, js_sinkhorn, hnas, sinkhorn, v?, out?, analyse)
+//         -> linear
 //
 // M maps (every layer's heads of a window) stacked along a first dimension, on torch's intra-op
 // threads, one head per thread at a time (`heads` at the end of this file). Per map, as below.
@@ -62,8 +63,9 @@ constexpr int64_t kBlockRows = 64, kBlockFloats = 32768;
 
 // The score pass, a block of rows at a time while they are in L2: s = scale q k^T (BLAS), mu_i = max_j
 // s_ij, s -= mu, e = exp(s), r_i = sum_j e_ij -> dn[:, 0], and colsum_j = sum_i exp(mu_i - gmax) e_ij
-// (beta_d = 1 / colsum) with a running maximum for gmax; mu (N) the row maxima. False when check_span and
-// the scores span more than kLinearSpanMax nats (then dn[:, 0] and e are valid, beta_d is not).
+// (beta_d = 1 / colsum) with a running maximum for gmax; mu (N) the row maxima; with h.out, unas'
+// attention output diag(1 / r) E v (Eq. 1 times v), block by block from L2. False when check_span and
+// the scores span more than kLinearSpanMax nats (then dn[:, 0], e and the output are valid, beta_d is not).
 bool score_pass(Head& h, const float* q, int64_t ldq, const float* k, int64_t ldk, int64_t D, float scale,
                 bool check_span, float* mu) {
   const int64_t N = h.N, W = 3 + 2 * h.S;
@@ -77,6 +79,7 @@ bool score_pass(Head& h, const float* q, int64_t ldq, const float* k, int64_t ld
   SerialBlas serial;
 #endif
   const int64_t rows = std::max<int64_t>(1, std::min(kBlockRows, kBlockFloats / std::max<int64_t>(N, 1)));
+  std::vector<float> inv(rows);  // 1 / row sums of the block
   for (int64_t i0 = 0; i0 < N; i0 += rows) {
     const int64_t R = std::min(rows, N - i0);
     float* sb = h.s + i0 * N;
@@ -112,6 +115,16 @@ bool score_pass(Head& h, const float* q, int64_t ldq, const float* k, int64_t ld
         colsum[j] += rho * ex;
       }
       h.dn[(i0 + r) * W] = sum;
+      inv[r] = 1.f / sum;
+    }
+    if (h.out) {  // unas' attention output for the block's rows, while their E is in L2
+#if defined(CPU_CAPABILITY_AVX512)
+      output_block(R, N, h.Dv, h.e + i0 * N, N, h.v, h.ldv, inv.data(), h.out + i0 * h.ldo, h.ldo);
+#else
+      gemm_ab(R, h.Dv, N, h.e + i0 * N, N, h.v, h.ldv, h.out + i0 * h.ldo, h.ldo);
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t c = 0; c < h.Dv; ++c) h.out[(i0 + r) * h.ldo + c] *= inv[r];
+#endif
     }
   }
   if (check_span && run - smin > kLinearSpanMax) return false;
@@ -291,11 +304,14 @@ float* out_ptr(const c10::optional<at::Tensor>& t, int64_t M, int64_t N, const c
   return t->data_ptr<float>();
 }
 
-// One head: its passes (the file's header) on the scratch in h; false for a wide head.
+// One head: its passes (the file's header) on the scratch in h (without `analyse`, the score pass and
+// its attention output alone); false for a wide head.
 bool run_head(Head& h, const float* q, int64_t ldq, const float* k, int64_t ldk, int64_t D, float scale,
-              bool check_span, int64_t iters, bool sinkhorn_analysed, float* mu) {
+              bool check_span, int64_t iters, bool sinkhorn_analysed, bool analyse, float* mu) {
   const int64_t N = h.N;
-  if (!score_pass(h, q, ldq, k, ldk, D, scale, check_span, mu)) {
+  const bool linear = score_pass(h, q, ldq, k, ldk, D, scale, check_span, mu);
+  if (!analyse) return linear;  // the attention output alone
+  if (!linear) {
     wide_head(h, mu, iters, sinkhorn_analysed);  // analysis_wide.h
     return false;
   }
@@ -317,13 +333,17 @@ bool run_head(Head& h, const float* q, int64_t ldq, const float* k, int64_t ldk,
 // next map until none is left (so a wide head, several linear ones' work, started first does not leave
 // the others idle at the end), on its own scratch for s and e. q, k (M, N, D) with unit stride along D;
 // scale (M) float64, check_span (M) bool, u (M) float64, order (M) int64: a permutation of the maps;
-// every output is the per-map layout of the file's header stacked over M. Returns bool (M): linear.
+// every output is the per-map layout of the file's header stacked over M; v, out (M, N, Dv), unit
+// stride along Dv: with v, out receives unas' attention output softmax(s) v (in place of the model's
+// own attention, attnlab/hf/fused_forward.py); analyse=False: that output alone (the score pass; the
+// other outputs are left as they are). Returns bool (M): linear.
 at::Tensor heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& scale, const at::Tensor& spec_t,
                  int64_t iters, const at::Tensor& check_span, const at::Tensor& u, const at::Tensor& order,
                  const c10::optional<at::Tensor>& pu, const c10::optional<at::Tensor>& pd,
                  const c10::optional<at::Tensor>& ph, const c10::optional<at::Tensor>& ps, const at::Tensor& alpha,
                  const at::Tensor& beta, const at::Tensor& cols, const at::Tensor& dn_rows, const at::Tensor& sk_rows,
-                 const at::Tensor& stats, bool js_dnas, bool js_hnas, bool js_sinkhorn, bool hnas, bool sinkhorn) {
+                 const at::Tensor& stats, bool js_dnas, bool js_hnas, bool js_sinkhorn, bool hnas, bool sinkhorn,
+                 const c10::optional<at::Tensor>& v, const c10::optional<at::Tensor>& out, bool analyse) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes().equals(q.sizes()) && q.scalar_type() == at::kFloat &&
                   k.scalar_type() == at::kFloat,
               "heads: q and k must be float32 (M, N, D) of one shape, got ", q.sizes(), " and ", k.sizes());
@@ -343,6 +363,18 @@ at::Tensor heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& sca
   float *w_u = out_ptr(pu, M, N, "pu"), *w_d = out_ptr(pd, M, N, "pd");
   float *w_h = out_ptr(ph, M, N, "ph"), *w_s = out_ptr(ps, M, N, "ps");
   const bool want_h = hnas || w_h, sinkhorn_analysed = sinkhorn || w_s;
+  const bool attend = v.has_value() && v->defined();
+  TORCH_CHECK(attend == (out.has_value() && out->defined()), "heads: v and out go together");
+  TORCH_CHECK(analyse || (attend && !w_u && !w_d && !w_h && !w_s), "heads: analyse=False is for the attention "
+              "output alone (v and out, no weights)");
+  if (attend) {
+    TORCH_CHECK(v->dim() == 3 && v->size(0) == M && v->size(1) == N && v->scalar_type() == at::kFloat &&
+                    v->stride(2) == 1,
+                "heads: v must be float32 (M, N, Dv) with unit stride along Dv, got ", v->sizes());
+    TORCH_CHECK(out->sizes().equals(v->sizes()) && out->scalar_type() == at::kFloat && out->stride(2) == 1,
+                "heads: out must be float32 of v's shape ", v->sizes(), " with unit stride along Dv, got ",
+                out->sizes());
+  }
   TORCH_CHECK(!js_hnas || want_h, "heads: js_hnas needs hnas");
   const int64_t* ord = order.data_ptr<int64_t>();
   std::vector<bool> seen(M, false);
@@ -370,9 +402,13 @@ at::Tensor heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& sca
              sk_rows.data_ptr<float>() + m * N * (2 + S), stats.data_ptr<float>() + m * N * kStats,
              spec_t.data_ptr<float>(), at_map(w_u, NN), at_map(w_d, NN), at_map(w_h, NN), at_map(w_s, NN),
              float(uu[m]), js_dnas, js_hnas, js_sinkhorn, want_h};
+      if (attend) {
+        h.v = v->data_ptr<float>() + m * v->stride(0), h.ldv = v->stride(1), h.Dv = v->size(2);
+        h.out = out->data_ptr<float>() + m * out->stride(0), h.ldo = out->stride(1);
+      }
       lin[m] = run_head(h, qc.data_ptr<float>() + m * qc.stride(0), qc.stride(1),
                         kc.data_ptr<float>() + m * kc.stride(0), kc.stride(1), D, float(sc[m]), chk[m], iters,
-                        sinkhorn_analysed, mu.data());
+                        sinkhorn_analysed, analyse, mu.data());
     }
   });
   return linear;
@@ -384,7 +420,8 @@ TORCH_LIBRARY(attnlab_hf, m) {
   m.def("heads(Tensor q, Tensor k, Tensor scale, Tensor spec_t, int iters, Tensor check_span, Tensor u, "
         "Tensor order, Tensor(a!)? pu, Tensor(b!)? pd, Tensor(c!)? ph, Tensor(d!)? ps, Tensor(e!) alpha, "
         "Tensor(f!) beta, Tensor(g!) cols, Tensor(h!) dn_rows, Tensor(i!) sk_rows, Tensor(j!) stats, "
-        "bool js_dnas, bool js_hnas, bool js_sinkhorn, bool hnas, bool sinkhorn) -> Tensor");
+        "bool js_dnas, bool js_hnas, bool js_sinkhorn, bool hnas, bool sinkhorn, Tensor? v=None, "
+        "Tensor(m!)? out=None, bool analyse=True) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(attnlab_hf, CPU, m) { m.impl("heads", &heads); }

@@ -15,6 +15,10 @@ struct Head {
   float u;
   bool js_d, js_h, js_s;
   bool want_h;  // hnas is analysed (its sums), whether or not its weights are written (ph)
+  const float* v = nullptr;  // (N, Dv), row stride ldv: the values, when the attention output is asked for
+  int64_t ldv = 0, Dv = 0;
+  float* out = nullptr;  // (N, Dv), row stride ldo: softmax(s) v (unas' output), written by the score pass
+  int64_t ldo = 0;
 };
 
 }  // namespace

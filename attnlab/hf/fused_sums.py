@@ -128,36 +128,21 @@ def variants_with_sums(q, k, scale, variants, u, iters, specials, use_kernel: bo
     clamp_hnas = bool((u_maps > 1.0 - 1e-6).any())  # hnas = dnas may underflow to 0: 0 ln 0 = 0
     buf = _FusedBuffers.new(LH, N, S, q)
     fallback = []  # (row, {variant: row sums}) of wide heads
-    # |s_ij| <= scale |q_i| |k_j|: heads whose bound on the score span is small skip the exact check
-    norms = (q.norm(dim=-1).amax(-1) * k.norm(dim=-1).amax(-1))[:, 0]  # (L, H)
-    span_bound = (2.0 * norms * torch.tensor(scale, dtype=q.dtype)[:, None]).reshape(LH).tolist()
-    # maps, taken one at a time by the workers; those that may be wide first (a wide head costs several
-    # linear ones: started last, it would leave the other workers idle at the end)
-    queue = sorted(range(LH), key=lambda row: -span_bound[row])
+    span_bound = span_bounds(q[:, 0], k[:, 0], torch.tensor(scale, dtype=q.dtype)[:, None])  # (L*H)
+    queue = _queue(span_bound)
     kernel = kernels.analysis_ops() if use_kernel else None
     spec_t = spec.t().contiguous()  # (S, N)
     settings = _HeadSettings(variants, iters, spec, dist, js_variants, clamp_hnas)
 
-    js = settings.js_variants if sums else ()
-    need = variants if sums else write
-    flags = ("dnas" in js, "hnas" in js, "sinkhorn" in js, "hnas" in need, "sinkhorn" in need)
+    flags = flags_for(variants, settings.js_variants, write, sums)
     workers = _WORKERS if _WORKERS is not None else torch.get_num_threads()
     if kernel is not None:  # every map in the CPU kernel (attnlab/csrc/analysis_cpu.cpp), a wide one in its
         # log-space path (analysis_wide.h) with the same buffer layout, on ``workers`` threads
         maps = [out[v][:, 0].view(LH, N, N) if v in write else None
                 for v in ("unas", "dnas", "hnas", "sinkhorn")]
-        previous = torch.get_num_threads()
-        if workers != previous:
-            torch.set_num_threads(workers)
-        try:
-            kernel.heads(q[:, 0].reshape(LH, N, -1), k[:, 0].reshape(LH, N, -1),
-                         torch.tensor(scale, dtype=torch.float64).repeat_interleave(H), spec_t, iters,
-                         torch.tensor([b > LINEAR_SPAN_MAX for b in span_bound], dtype=torch.bool),
-                         u_maps.double().contiguous(), torch.tensor(queue, dtype=torch.int64), *maps,
-                         buf.alpha, buf.beta, buf.cols, buf.dn_rows, buf.sk_rows, buf.rows, *flags)
-        finally:
-            if workers != previous:
-                torch.set_num_threads(previous)
+        run_kernel(kernel, q[:, 0].reshape(LH, N, -1), k[:, 0].reshape(LH, N, -1),
+                   [scale[row // H] for row in range(LH)], span_bound, u_maps, spec_t, iters, maps,
+                   (buf.alpha, buf.beta, buf.cols, buf.dn_rows, buf.sk_rows, buf.rows), flags, workers)
     else:
         _heads_torch(q, k, scale, u, variants, iters, spec, dist, ref, write, out, buf, queue, span_bound,
                      u_maps, settings, workers, fallback)
@@ -170,6 +155,48 @@ def variants_with_sums(q, k, scale, variants, u, iters, specials, use_kernel: bo
                 if t is not None:
                     raw[v][key][row] = t
     return out, raw
+
+
+def span_bounds(q: torch.Tensor, k: torch.Tensor, scale) -> list[float]:
+    """Bounds on each map's score span, 2 scale max_i |q_i| max_j |k_j| (|s_ij| <= scale |q_i| |k_j|):
+    maps whose bound is at most ``LINEAR_SPAN_MAX`` skip the exact check. q, k (..., N, D), scale a
+    number or broadcastable to q's leading dimensions; flattened over them."""
+    norms = q.norm(dim=-1).amax(-1) * k.norm(dim=-1).amax(-1)
+    return (2.0 * norms * torch.as_tensor(scale, dtype=q.dtype)).reshape(-1).tolist()
+
+
+def _queue(span_bound: list[float]) -> list[int]:
+    """The maps in the order the workers take them: those that may be wide first (a wide head costs
+    several linear ones: started last, it would leave the other workers idle at the end)."""
+    return sorted(range(len(span_bound)), key=lambda row: -span_bound[row])
+
+
+def flags_for(variants, js_variants, write, sums: bool) -> tuple[bool, ...]:
+    """The kernel's (js_dnas, js_hnas, js_sinkhorn, hnas, sinkhorn): without sums only the written
+    variants are needed (no Sinkhorn rounds or HNAS rows that are not written)."""
+    js = js_variants if sums else ()
+    need = variants if sums else write
+    return ("dnas" in js, "hnas" in js, "sinkhorn" in js, "hnas" in need, "sinkhorn" in need)
+
+
+def run_kernel(kernel, q, k, scales: list[float], span_bound: list[float], u_maps, spec_t, iters, maps,
+               buffers, flags, workers: int, v=None, out=None, analyse: bool = True) -> torch.Tensor:
+    """``kernel.heads`` (attnlab/csrc/analysis_cpu.cpp) on M maps: q, k (M, N, D); scales, span_bound per map;
+    u_maps (M,); maps: the (M, N, N) weight outputs of unas, dnas, hnas, sinkhorn or None each;
+    buffers: the (M, ...) rows of _FusedBuffers' alpha, beta, cols, dn_rows, sk_rows, rows; v, out
+    (M, N, Dv): unas' attention output into ``out`` (without ``analyse``: that alone). On ``workers``
+    torch threads. Returns bool (M,): linear heads."""
+    previous = torch.get_num_threads()
+    if workers != previous:
+        torch.set_num_threads(workers)
+    try:
+        return kernel.heads(q, k, torch.tensor(scales, dtype=torch.float64), spec_t, iters,
+                            torch.tensor([b > LINEAR_SPAN_MAX for b in span_bound], dtype=torch.bool),
+                            u_maps.double().contiguous(), torch.tensor(_queue(span_bound), dtype=torch.int64),
+                            *maps, *buffers, *flags, v, out, analyse)
+    finally:
+        if workers != previous:
+            torch.set_num_threads(previous)
 
 
 def _heads_torch(q, k, scale, u, variants, iters, spec, dist, ref, write, out, buf, queue, span_bound, u_maps,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,6 +99,9 @@ class _Run:
     return_weights: bool = False  # swap mode during an analysis: always return weights
     layer: int = 0  # attention calls seen in the current forward = layer index
     stop_after: int | None = None  # recompute mode: end the forward once this many layers are captured
+    # recompute mode: called after each layer's q, k are recorded (attnlab/hf/fused_forward.py); returns
+    # the layer's attention output in place of SDPA's, or None (SDPA runs)
+    layer_hook: Callable[..., torch.Tensor | None] | None = None
 
 
 class _CaptureComplete(Exception):
@@ -233,23 +236,32 @@ def _variant_attention(variant: str):
 
 
 def _capture_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Records q and k of the layer, then runs transformers' SDPA attention unchanged."""
+    """Records q and k of the layer, then runs transformers' SDPA attention unchanged (or, with the
+    run's ``layer_hook``, the output it gives)."""
     run = _ACTIVE.get()
     if run is not None and run.capture is not None:
         n_rep = getattr(module, "num_key_value_groups", 1)
         keys = repeat_kv(key, n_rep)  # (B, H, N, D)
         scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+        causal = _is_causal(module, kwargs)
         run.capture.append(
             CapturedLayer(
                 query=query.detach(),
                 key=keys.detach(),
                 mask=to_bool_mask(attention_mask, keys.shape[-2]),
                 scaling=scale,
-                causal=_is_causal(module, kwargs),
+                causal=causal,
             )
         )
-        if run.stop_after is not None and len(run.capture) >= run.stop_after:
+        last = run.stop_after is not None and len(run.capture) >= run.stop_after
+        out = None
+        if run.layer_hook is not None:
+            out = run.layer_hook(len(run.capture) - 1, query, keys, repeat_kv(value, n_rep), attention_mask,
+                                 scale, dropout, module.training, causal, last, kwargs)
+        if last:
             raise _CaptureComplete  # nothing after the last q and k is needed
+        if out is not None:
+            return out, None
     kwargs.pop("output_attentions", None)  # SDPA returns no weights; the analysis recomputes them
     return sdpa_attention_forward(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
@@ -359,15 +371,19 @@ def use_variant(
 
 
 @contextlib.contextmanager
-def capture_qk(model, *, stop_after: int | None = None) -> Iterator[list[CapturedLayer]]:
+def capture_qk(model, *, stop_after: int | None = None, layer_hook=None) -> Iterator[list[CapturedLayer]]:
     """Record every self-attention call's q and k while the model runs its own (SDPA) attention.
 
     Yields the list that fills with one :class:`CapturedLayer` per attention call, in layer order.
     With ``stop_after`` (e.g. the model's number of layers) the forward ends as soon as that many
     calls are recorded, before the last one's attention, feed-forward and anything later run: the
-    rest of the ``with`` block is skipped and execution continues after it.
+    rest of the ``with`` block is skipped and execution continues after it. ``layer_hook(layer, query, key,
+    value, attention_mask, scaling, dropout, training, causal, last, kwargs)``, when given, is called
+    after each layer's q and k are recorded (keys and values with grouped-query heads repeated); the
+    tensor it returns, (B, N, H, Dv), is the layer's attention output in place of SDPA's (None: SDPA
+    runs). attnlab/hf/fused_forward.py's analysis is one.
     """
-    run = _Run(settings=VariantSettings(), capture=[], stop_after=stop_after)
+    run = _Run(settings=VariantSettings(), capture=[], stop_after=stop_after, layer_hook=layer_hook)
     with _implementation(model, CAPTURE, run):
         try:
             yield run.capture

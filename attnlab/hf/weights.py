@@ -134,7 +134,9 @@ def _recompute_with_sums(loaded, input_ids, attention_mask, variants, given, spe
     bidirectional model, with ``specials`` given (a list of bool (N,) key masks). Tensors stay on the
     model's device.
     """
-    with capture_qk(loaded.model, stop_after=loaded.info.n_layers) as captured:  # no work after the last q, k
+    hook = _layerwise(loaded, input_ids, attention_mask, variants, given, specials)
+    # no work after the last q, k; the hook's attention outputs in place of SDPA's where it applies
+    with capture_qk(loaded.model, stop_after=loaded.info.n_layers, layer_hook=hook) as captured:
         loaded.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     valid = attention_mask.bool()  # (B, N)
     causal = {c.causal for c in captured}
@@ -154,7 +156,8 @@ def _recompute_with_sums(loaded, input_ids, attention_mask, variants, given, spe
         u_l = _u_per_layer(u, len(captured), q.shape[2], q.device)
         slots = tuple(plan.values())
         if (specials is not None or lazy) and q.shape[1] == 1 and q.device.type == "cpu":  # lazy weights
-            weights, sums = _lazy_with_sums(q, k, scale, plan, u_l, iters, specials)
+            done = hook.sums() if hook is not None and hook.slots == slots else None  # from the forward
+            weights, sums = _lazy_with_sums(q, k, scale, plan, u_l, iters, specials, done)
             if sums is None:
                 return weights, None
             if by_slot.get("unas", "unas") != "unas":  # the statistics' js reference is unas by name
@@ -287,18 +290,48 @@ def _variants_with_sums(q, k, scale, variants, u, iters, specials):
     return fused_sums.variants_with_sums(q, k, scale, variants, u, iters, specials, use_kernel=_USE_KERNEL)
 
 
-def _lazy_with_sums(q, k, scale, plan: Mapping[str, str], u, iters, specials) -> tuple[LazyWeights, dict]:
+def _layerwise(loaded: LoadedModel, input_ids, attention_mask, variants, given, specials):
+    """The capture forward's layer hook (attnlab/hf/fused_forward.py) for one unpadded window of a
+    bidirectional model on the CPU with attnlab's kernel, or None: the kernel's attention output in
+    place of SDPA's in every such forward, and with ``specials`` and every variant in a slot of the
+    fused analysis the row sums computed as the layers run."""
+    from attnlab import kernels
+    from attnlab.hf.fused_forward import LayerwiseAnalysis
+
+    info = loaded.info
+    if info.causal or input_ids.shape[0] != 1 or input_ids.device.type != "cpu":
+        return None
+    kernel = kernels.analysis_ops() if _USE_KERNEL else None
+    if kernel is None or not bool(attention_mask.bool().all()):
+        return None
+    workers = fused_sums._WORKERS if fused_sums._WORKERS is not None else torch.get_num_threads()
+    L, H, N = info.n_layers, info.n_heads, input_ids.shape[1]
+    plan = None
+    if specials is not None:
+        params = {v: check_params(v, given, causal=False) for v in variants}
+        plan = _fused_plan(variants, params)
+    if plan is None:  # the attention outputs alone
+        return LayerwiseAnalysis(L, H, N, (), 0.5, 1, None, kernel, workers)
+    by_slot = {slot: v for v, slot in plan.items()}
+    u = params[by_slot["hnas"]]["u"] if "hnas" in by_slot else 0.5
+    iters = params[by_slot["sinkhorn"]]["iters"] if "sinkhorn" in by_slot else 1
+    return LayerwiseAnalysis(L, H, N, tuple(plan.values()), _u_per_layer(u, L, H), iters, specials, kernel,
+                             workers)
+
+
+def _lazy_with_sums(q, k, scale, plan: Mapping[str, str], u, iters, specials,
+                    sums=None) -> tuple[LazyWeights, dict]:
     """The row sums of :func:`_variants_with_sums` now, with no weights written, and the weights as a
     :class:`~attnlab.hf.lazy_weights.LazyWeights`: a variant's are computed on first access by the
     same call with the same arguments (the same kernel or PyTorch path, the same torch threads), so
     they have the values the first call would have written; q, k (L, 1, H, N, D) are kept for that.
     ``plan``: variant -> its slot in the fused analysis; results are keyed by variant. ``specials``
-    None: no row sums (None), the weights alone, lazily."""
+    None: no row sums (None), the weights alone, lazily. ``sums``: the row sums already computed
+    (by the capture forward's layer hook, :func:`_layerwise`), keyed by slot."""
     use_kernel, threads = _USE_KERNEL, torch.get_num_threads()
     slots = tuple(plan.values())
     by_slot = {slot: v for v, slot in plan.items()}
-    sums = None
-    if specials is not None:
+    if specials is not None and sums is None:
         _, sums = fused_sums.variants_with_sums(q, k, scale, slots, u, iters, specials, use_kernel=use_kernel,
                                                 write=())
 

@@ -9,9 +9,11 @@ they share ``overlap = content - stride`` tokens. The last window ends at the la
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import unicodedata
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -107,14 +109,33 @@ def _cat(parts: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
+# tokenizer -> (its vocabulary size when asked, (prefix, suffix)): two tokenizer calls saved per window
+_AFFIXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def special_affixes(tokenizer) -> tuple[list[int], list[int]]:
-    """The special token ids the tokenizer puts before and after a single text."""
+    """The special token ids the tokenizer puts before and after a single text (kept per tokenizer
+    while its vocabulary keeps its size)."""
+    try:
+        size = len(tokenizer)
+        kept_size, affixes = _AFFIXES.get(tokenizer, (None, None))
+    except TypeError:  # no vocabulary size, or not weakly referable: not kept
+        size, kept_size, affixes = None, None, None
+    if affixes is None or kept_size != size:
+        affixes = _find_affixes(tokenizer)
+        if size is not None:
+            with contextlib.suppress(TypeError):  # not weakly referable
+                _AFFIXES[tokenizer] = (size, affixes)
+    return list(affixes[0]), list(affixes[1])
+
+
+def _find_affixes(tokenizer) -> tuple[tuple[int, ...], tuple[int, ...]]:
     core = tokenizer("a", add_special_tokens=False)["input_ids"]
     full = tokenizer("a", add_special_tokens=True)["input_ids"]
     for i in range(len(full) - len(core) + 1):
         if full[i : i + len(core)] == core:
-            return list(full[:i]), list(full[i + len(core) :])
-    return [], []
+            return tuple(full[:i]), tuple(full[i + len(core) :])
+    return (), ()
 
 
 def plan_windows(n_tokens: int, window: int, n_special: int, overlap: int | None = None) -> Windowing:
