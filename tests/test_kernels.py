@@ -720,7 +720,9 @@ def test_a_stale_torch_build_lock_does_not_stop_a_new_process():
         fcntl.flock(handle, fcntl.LOCK_EX)  # no other process loads while the stale file is made
         (directory / "lock").touch()
         fcntl.flock(handle, fcntl.LOCK_UN)
-    script = ("from attnlab import kernels; before = kernels._build_dir(); "
+    # this process' flags (scripts/kernel_builds.py sets others), so that it is the same build
+    script = (f"from attnlab import kernels; kernels.CFLAGS = {kernels.CFLAGS!r}; "
+              "before = kernels._build_dir(); "
               "assert kernels.cpu_ops() is not None, kernels.build_error(); "
               "print(before == kernels._build_dir(), before)")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
