@@ -35,10 +35,11 @@ gradient products (:func:`attnlab.normalizers.kernel_paths.train_forward`).
 (query blocks outer, each column's running prefix maximum and sum carried down the rows; HNAS adds the
 causal softmax's online row maxima and a second value product; docs/VARIANTS.md "Causal DNAS").
 
-``attnlab/csrc/analysis_cpu.cpp``: ``torch.ops.attnlab_hf.head``, one head of ``attnlab.hf``'s fused
-analysis (every variant's weights and every row sum the statistics need, in a few sweeps over the
-head's rows; a head whose scores span more than 60 nats in log space, ``analysis_wide.h``;
-:func:`analysis_ops`, used by ``attnlab/hf/fused_sums.py``).
+``attnlab/csrc/analysis_cpu.cpp``: ``torch.ops.attnlab_hf.heads``, the heads of ``attnlab.hf``'s fused
+analysis on torch's threads (every variant's weights and every row sum the statistics need, in a few
+sweeps over each head's rows; a head whose scores span more than 60 nats in log space,
+``analysis_wide.h``; the attention output for the capture forward; :func:`analysis_ops`, used by
+``attnlab/hf/fused_sums.py`` and ``attnlab/hf/fused_forward.py``).
 
 Building needs a C++ compiler (``g++``; scripts/install.sh installs it) and ninja (the ``ninja`` PyPI
 package, in requirements.txt); the build takes about 20 s once and is cached per source, flags and

@@ -1,4 +1,4 @@
-"""attnlab.hf's analysis kernel (``attnlab_hf.head``, attnlab/csrc/analysis_cpu.cpp) head by head, on
+"""attnlab.hf's analysis kernel (``attnlab_hf.heads``, attnlab/csrc/analysis_cpu.cpp) head by head, on
 the embedded MiniLM's q and k of the analysis benchmark's 512 tokens: milliseconds per head on one
 thread (``attnlab_hf.heads`` called with one map at a time), medians of interleaved rounds, and all
 72 maps in one call on torch's threads ("window"), for all statistics ("full"), without the Jensen-Shannon and

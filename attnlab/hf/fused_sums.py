@@ -1,6 +1,6 @@
 """The fused analysis of one unmasked window on the CPU: every variant's weights and, computed while
 each head is in cache, the row sums of ``attnlab.stats.engine.row_sums_dict`` for the tidy table
-(:func:`variants_with_sums`; the row pass in attnlab's CPU kernel ``attnlab_hf.head`` when built).
+(:func:`variants_with_sums`; every head in attnlab's CPU kernel ``attnlab_hf.heads`` when built).
 """
 
 from __future__ import annotations
@@ -100,12 +100,13 @@ def variants_with_sums(q, k, scale, variants, u, iters, specials, use_kernel: bo
     E, E * (s - max) and E * |i - j| with the factors, assembled for all heads at once at the end
     (:func:`_assemble_sums`); only the hnas entropy and the Jensen-Shannon divergences to unas take
     logarithms of the weights. Heads with wider scores are computed in log space, their row sums
-    from the weights themselves. One head at a time per worker thread, so that its scores and
-    exponentials stay in the core's cache; each head is one call of attnlab's CPU kernel
-    ``attnlab_hf.head`` (:mod:`attnlab.kernels`; wide heads in its log-space path,
-    attnlab/csrc/analysis_wide.h) when it is built, else PyTorch operations: the row pass on blocks of
-    rows (:func:`_rows_torch`), wide heads by :func:`_variants_unmasked` and ``row_sums_dict`` on the
-    weights (the same results).
+    from the weights themselves. One head at a time per thread, so that its scores and exponentials
+    stay in the core's cache: every head in one call of attnlab's CPU kernel ``attnlab_hf.heads``
+    (:func:`run_kernel`, :mod:`attnlab.kernels`; wide heads in its log-space path,
+    attnlab/csrc/analysis_wide.h) when it is built, else PyTorch operations on worker threads
+    (:func:`_heads_torch`): the row pass on blocks of rows (:func:`_rows_torch`), wide heads by
+    :func:`_variants_unmasked` and ``row_sums_dict`` on the weights (the same results).
+    attnlab/hf/fused_forward.py makes the same kernel call layer by layer inside the capture forward.
 
     q, k: (L, 1, H, N, D); specials: list of S bool (N,) key masks. Returns ({variant in write: (L, 1, H,
     N, N)}, {variant: row sums over L*H maps} or None without ``sums``); ``js`` (to unas) when unas is

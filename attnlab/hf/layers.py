@@ -13,7 +13,7 @@ import torch
 
 from attnlab.normalizers import functions as fn
 
-# The slots of the fused analysis (this module's linear/log layer passes and attnlab_hf.head): the
+# The slots of the fused analysis (this module's linear/log layer passes and attnlab_hf.heads): the
 # normalizers whose math it implements, each computed into its slot. A variant takes it when its spec
 # declares ``hf_kernel`` (for its parameters) and its normalizer is one of these (:func:`fused_slot`);
 # any other takes the generic materialized path.

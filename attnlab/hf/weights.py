@@ -11,7 +11,8 @@ layer; masked ones (padding, causal models) use :func:`attnlab.attention_weights
 of a bidirectional model on the CPU takes the fused path (attnlab/hf/fused_sums.py), which also
 computes the statistics' row sums while each head is in cache; attnlab/hf/layers.py holds the
 unmasked all-variant layer passes, attnlab/hf/pool.py the weights' buffer pool. The forward stops
-after the last layer's q and k. On a GPU the weights are computed there and copied to the CPU,
+after the last layer's q and k; for one unpadded window of a bidirectional model on the CPU its
+attention is the kernel's, which takes the row sums as the layers run (attnlab/hf/fused_forward.py). On a GPU the weights are computed there and copied to the CPU,
 with the row sums.
 """
 
@@ -51,7 +52,7 @@ from attnlab.stats.engine import row_sums_dict
 __all__ = ["MODES", "KERNEL_VARIANTS", "LINEAR_SPAN_MAX", "batch_weights", "check_arguments",
            "window_weights_and_sums"]
 
-# The row pass in attnlab's CPU kernel attnlab_hf.head when it is built (attnlab.kernels); False: PyTorch.
+# The heads in attnlab's CPU kernel attnlab_hf.heads when it is built (attnlab.kernels); False: PyTorch.
 _USE_KERNEL = True
 
 MODES = ("recompute", "swap")
