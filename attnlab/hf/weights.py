@@ -12,8 +12,8 @@ of a bidirectional model on the CPU takes the fused path (attnlab/hf/fused_sums.
 computes the statistics' row sums while each head is in cache; attnlab/hf/layers.py holds the
 unmasked all-variant layer passes, attnlab/hf/pool.py the weights' buffer pool. The forward stops
 after the last layer's q and k; for one unpadded window of a bidirectional model on the CPU its
-attention is the kernel's, which takes the row sums as the layers run (attnlab/hf/fused_forward.py). On a GPU the weights are computed there and copied to the CPU,
-with the row sums.
+attention is the kernel's, which takes the row sums as the layers run (attnlab/hf/fused_forward.py).
+On a GPU the weights are computed there and copied to the CPU, with the row sums.
 """
 
 from __future__ import annotations
