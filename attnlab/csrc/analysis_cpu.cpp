@@ -36,7 +36,7 @@
 //
 // Passes over the head (N x N floats: s and e stay in the L3 cache, a row in L1):
 //   score_pass       a block of rows at a time while they are in L2: the scores (register tiles on
-//                    AVX-512, analysis_scores.h; BLAS otherwise), their row
+//                    AVX-512 with k packed once, tiles.h; BLAS otherwise), their row
 //                    maxima, s - max, E and its row sums, DNAS's column sums
 //   dnas_pass        dn_rows (one sweep of each row for all its dot products), alpha_u, alpha_d, cols
 //   sinkhorn_rounds  the rounds after DNAS's, one row and one column step per sweep
@@ -48,9 +48,9 @@
 // = 1 - u + u x_d) and one per Jensen-Shannon sum (js_terms_x), none on AVX-512, where js_terms_x
 // reads a table of chi(ln x) (analysis_vec.h).
 #include "analysis_head.h"
-#include "analysis_scores.h"
 #include "analysis_wide.h"
 #include "kernel_common.h"
+#include "tiles.h"
 
 #include <atomic>
 #include <memory>
@@ -72,11 +72,13 @@ bool score_pass(Head& h, const float* q, int64_t ldq, const float* k, int64_t ld
   float* colsum = h.beta + N;
   std::fill(colsum, colsum + N, 0.f);
   float run = -std::numeric_limits<float>::infinity(), smin = std::numeric_limits<float>::infinity();
-#if defined(CPU_CAPABILITY_AVX512)
-  KeyPanels kp;  // k in panels for score_block (analysis_scores.h)
-  kp.pack(k, ldk, N, D);
-#else
   SerialBlas serial;
+#if defined(CPU_CAPABILITY_AVX512)
+  const bool tiles = ldk < (int64_t(1) << 27);  // the panels' gather offsets fit int32
+  PackedB kp;  // k in 32-key panels once per head (tiles.h)
+  if (tiles) kp.pack(k, ldk, N, D);
+#else
+  const bool tiles = false;
 #endif
   const int64_t rows = std::max<int64_t>(1, std::min(kBlockRows, kBlockFloats / std::max<int64_t>(N, 1)));
   std::vector<float> inv(rows);  // 1 / row sums of the block
@@ -84,10 +86,9 @@ bool score_pass(Head& h, const float* q, int64_t ldq, const float* k, int64_t ld
     const int64_t R = std::min(rows, N - i0);
     float* sb = h.s + i0 * N;
 #if defined(CPU_CAPABILITY_AVX512)
-    score_block(R, N, D, scale, q + i0 * ldq, ldq, kp.data, sb, N);
-#else
-    gemm_abt(R, N, D, scale, q + i0 * ldq, ldq, k, ldk, 0.f, sb, N);
+    if (tiles) tiled_packed(R, scale, q + i0 * ldq, ldq, kp, 0.f, sb, N);
 #endif
+    if (!tiles) gemm_abt(R, N, D, scale, q + i0 * ldq, ldq, k, ldk, 0.f, sb, N);
     float bmax = -std::numeric_limits<float>::infinity();
     for (int64_t r = 0; r < R; ++r) {
       mu[i0 + r] = row_max(sb + r * N, N);  // kernel_common.h
@@ -119,12 +120,12 @@ bool score_pass(Head& h, const float* q, int64_t ldq, const float* k, int64_t ld
     }
     if (h.out) {  // unas' attention output for the block's rows, while their E is in L2
 #if defined(CPU_CAPABILITY_AVX512)
-      output_block(R, N, h.Dv, h.e + i0 * N, N, h.v, h.ldv, inv.data(), h.out + i0 * h.ldo, h.ldo);
+      tiled_ab(R, h.Dv, N, h.e + i0 * N, N, h.v, h.ldv, 0.f, h.out + i0 * h.ldo, h.ldo);
 #else
       gemm_ab(R, h.Dv, N, h.e + i0 * N, N, h.v, h.ldv, h.out + i0 * h.ldo, h.ldo);
+#endif
       for (int64_t r = 0; r < R; ++r)
         for (int64_t c = 0; c < h.Dv; ++c) h.out[(i0 + r) * h.ldo + c] *= inv[r];
-#endif
     }
   }
   if (check_span && run - smin > kLinearSpanMax) return false;
