@@ -67,6 +67,10 @@ def test_kernel_attention_output_arguments(ops):
         ops.heads(*args, v, torch.empty(1, 8, 3))
     with pytest.raises(RuntimeError, match="analyse=False is for the attention output alone"):
         ops.heads(*args, None, None, False)
+    plain = list(args)
+    plain[5] = None  # check_span without order: the kernel orders the maps itself only with neither
+    with pytest.raises(RuntimeError, match="order and check_span go together"):
+        ops.heads(*plain)
 
 
 def _ids(minilm, text, n):

@@ -305,6 +305,34 @@ float* out_ptr(const c10::optional<at::Tensor>& t, int64_t M, int64_t N, const c
   return t->data_ptr<float>();
 }
 
+// Each map's bound on its score span, 2 scale max_i |q_i| max_j |k_j| (|s_ij| <= scale |q_i| |k_j|): a map
+// whose bound is at most kLinearSpanMax skips the exact check (chk 0); the maps in order of decreasing
+// bound (a wide head costs several linear ones: started last, it would leave the other threads idle).
+void span_order(const at::Tensor& q, const at::Tensor& k, const double* scale, std::vector<int64_t>& ord,
+                std::vector<char>& chk) {
+  const int64_t M = q.size(0), N = q.size(1), D = q.size(2);
+  std::vector<double> bound(M);
+  auto max_norm = [N, D](const float* x, int64_t ld) {
+    float best = 0.f;
+    for (int64_t i = 0; i < N; ++i) {
+      float sq = 0.f;
+      for (int64_t d = 0; d < D; ++d) sq += x[i * ld + d] * x[i * ld + d];  // vectorized by the compiler
+      best = std::max(best, sq);
+    }
+    return std::sqrt(double(best));
+  };
+  at::parallel_for(0, M, 1, [&](int64_t b, int64_t e) {
+    for (int64_t m = b; m < e; ++m)
+      bound[m] = 2.0 * scale[m] * max_norm(q.data_ptr<float>() + m * q.stride(0), q.stride(1)) *
+                 max_norm(k.data_ptr<float>() + m * k.stride(0), k.stride(1));
+  });
+  for (int64_t m = 0; m < M; ++m) {
+    ord[m] = m;
+    chk[m] = !(bound[m] <= kLinearSpanMax);  // NaN: checked
+  }
+  std::stable_sort(ord.begin(), ord.end(), [&](int64_t a, int64_t b) { return bound[a] > bound[b]; });
+}
+
 // One head: its passes (the file's header) on the scratch in h (without `analyse`, the score pass and
 // its attention output alone); false for a wide head.
 bool run_head(Head& h, const float* q, int64_t ldq, const float* k, int64_t ldk, int64_t D, float scale,
@@ -333,13 +361,15 @@ bool run_head(Head& h, const float* q, int64_t ldq, const float* k, int64_t ldk,
 // The M maps (heads) of a window, taken in `order` by torch's intra-op threads: each thread takes the
 // next map until none is left (so a wide head, several linear ones' work, started first does not leave
 // the others idle at the end), on its own scratch for s and e. q, k (M, N, D) with unit stride along D;
-// scale (M) float64, check_span (M) bool, u (M) float64, order (M) int64: a permutation of the maps;
+// scale (M) float64, u (M) float64; check_span (M) bool and order (M) int64, a permutation of the maps,
+// or both None: from each map's bound on its score span (span_order);
 // every output is the per-map layout of the file's header stacked over M; v, out (M, N, Dv), unit
 // stride along Dv: with v, out receives unas' attention output softmax(s) v (in place of the model's
 // own attention, attnlab/hf/fused_forward.py); analyse=False: that output alone (the score pass; the
 // other outputs are left as they are). Returns bool (M): linear.
 at::Tensor heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& scale, const at::Tensor& spec_t,
-                 int64_t iters, const at::Tensor& check_span, const at::Tensor& u, const at::Tensor& order,
+                 int64_t iters, const c10::optional<at::Tensor>& check_span, const at::Tensor& u,
+                 const c10::optional<at::Tensor>& order,
                  const c10::optional<at::Tensor>& pu, const c10::optional<at::Tensor>& pd,
                  const c10::optional<at::Tensor>& ph, const c10::optional<at::Tensor>& ps, const at::Tensor& alpha,
                  const at::Tensor& beta, const at::Tensor& cols, const at::Tensor& dn_rows, const at::Tensor& sk_rows,
@@ -351,9 +381,7 @@ at::Tensor heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& sca
   const int64_t M = q.size(0), N = q.size(1), D = q.size(2), S = spec_t.size(0);
   const at::Tensor qc = q.stride(2) == 1 ? q : q.contiguous(), kc = k.stride(2) == 1 ? k : k.contiguous();
   check(scale, {M}, at::kDouble, "scale");
-  check(check_span, {M}, at::kBool, "check_span");
   check(u, {M}, at::kDouble, "u");
-  check(order, {M}, at::kLong, "order");
   check(spec_t, {S, N}, at::kFloat, "spec_t");
   check(alpha, {M, 3, N}, at::kFloat, "alpha");
   check(beta, {M, 3, N}, at::kFloat, "beta");
@@ -377,16 +405,27 @@ at::Tensor heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& sca
                 out->sizes());
   }
   TORCH_CHECK(!js_hnas || want_h, "heads: js_hnas needs hnas");
-  const int64_t* ord = order.data_ptr<int64_t>();
-  std::vector<bool> seen(M, false);
-  for (int64_t i = 0; i < M; ++i) {
-    TORCH_CHECK(ord[i] >= 0 && ord[i] < M && !seen[ord[i]], "heads: order must be a permutation of 0..", M - 1);
-    seen[ord[i]] = true;
+  const double* sc = scale.data_ptr<double>();
+  std::vector<int64_t> ord(M);
+  std::vector<char> chk(M);
+  const bool given = order.has_value() && order->defined();
+  TORCH_CHECK(given == (check_span.has_value() && check_span->defined()), "heads: order and check_span go together");
+  if (given) {
+    check(*order, {M}, at::kLong, "order");
+    check(*check_span, {M}, at::kBool, "check_span");
+    std::copy(order->data_ptr<int64_t>(), order->data_ptr<int64_t>() + M, ord.begin());
+    std::copy(check_span->data_ptr<bool>(), check_span->data_ptr<bool>() + M, chk.begin());
+    std::vector<bool> seen(M, false);
+    for (int64_t i = 0; i < M; ++i) {
+      TORCH_CHECK(ord[i] >= 0 && ord[i] < M && !seen[ord[i]], "heads: order must be a permutation of 0..", M - 1);
+      seen[ord[i]] = true;
+    }
+  } else {
+    span_order(qc, kc, sc, ord, chk);
   }
   at::Tensor linear = at::ones({M}, at::kBool);
   bool* lin = linear.data_ptr<bool>();
-  const double *sc = scale.data_ptr<double>(), *uu = u.data_ptr<double>();
-  const bool* chk = check_span.data_ptr<bool>();
+  const double* uu = u.data_ptr<double>();
   const int64_t W = 3 + 2 * S, NN = N * N;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), M), 1, [&](int64_t, int64_t) {
@@ -418,8 +457,8 @@ at::Tensor heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& sca
 }  // namespace
 
 TORCH_LIBRARY(attnlab_hf, m) {
-  m.def("heads(Tensor q, Tensor k, Tensor scale, Tensor spec_t, int iters, Tensor check_span, Tensor u, "
-        "Tensor order, Tensor(a!)? pu, Tensor(b!)? pd, Tensor(c!)? ph, Tensor(d!)? ps, Tensor(e!) alpha, "
+  m.def("heads(Tensor q, Tensor k, Tensor scale, Tensor spec_t, int iters, Tensor? check_span, Tensor u, "
+        "Tensor? order, Tensor(a!)? pu, Tensor(b!)? pd, Tensor(c!)? ph, Tensor(d!)? ps, Tensor(e!) alpha, "
         "Tensor(f!) beta, Tensor(g!) cols, Tensor(h!) dn_rows, Tensor(i!) sk_rows, Tensor(j!) stats, "
         "bool js_dnas, bool js_hnas, bool js_sinkhorn, bool hnas, bool sinkhorn, Tensor? v=None, "
         "Tensor(m!)? out=None, bool analyse=True) -> Tensor");

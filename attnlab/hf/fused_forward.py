@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from attnlab.hf.fused_sums import _assemble_sums, _FusedBuffers, flags_for, run_kernel, span_bounds
+from attnlab.hf.fused_sums import _assemble_sums, _FusedBuffers, flags_for, run_kernel
 
 __all__ = ["LayerwiseAnalysis"]
 
@@ -90,8 +90,7 @@ class LayerwiseAnalysis:
         rows = slice(layer * H, (layer + 1) * H) if self.with_sums else slice(0, H)
         q, k = query[0], key[0]  # (H, N, D) views
         out = None if last else torch.empty(1, N, H, value.shape[-1])
-        run_kernel(self.kernel, q, k, [scaling] * H, span_bounds(q, k, scaling), self.u_maps[rows],
-                   self.spec_t, self.iters, [None] * 4,
+        run_kernel(self.kernel, q, k, [scaling] * H, self.u_maps[rows], self.spec_t, self.iters, [None] * 4,
                    tuple(t[rows] for t in (self.buf.alpha, self.buf.beta, self.buf.cols, self.buf.dn_rows,
                                            self.buf.sk_rows, self.buf.rows)),
                    self.flags, self.workers, None if last else value[0],

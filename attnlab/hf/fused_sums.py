@@ -129,8 +129,6 @@ def variants_with_sums(q, k, scale, variants, u, iters, specials, use_kernel: bo
     clamp_hnas = bool((u_maps > 1.0 - 1e-6).any())  # hnas = dnas may underflow to 0: 0 ln 0 = 0
     buf = _FusedBuffers.new(LH, N, S, q)
     fallback = []  # (row, {variant: row sums}) of wide heads
-    span_bound = span_bounds(q[:, 0], k[:, 0], torch.tensor(scale, dtype=q.dtype)[:, None])  # (L*H)
-    queue = _queue(span_bound)
     kernel = kernels.analysis_ops() if use_kernel else None
     spec_t = spec.t().contiguous()  # (S, N)
     settings = _HeadSettings(variants, iters, spec, dist, js_variants, clamp_hnas)
@@ -142,11 +140,12 @@ def variants_with_sums(q, k, scale, variants, u, iters, specials, use_kernel: bo
         maps = [out[v][:, 0].view(LH, N, N) if v in write else None
                 for v in ("unas", "dnas", "hnas", "sinkhorn")]
         run_kernel(kernel, q[:, 0].reshape(LH, N, -1), k[:, 0].reshape(LH, N, -1),
-                   [scale[row // H] for row in range(LH)], span_bound, u_maps, spec_t, iters, maps,
+                   [scale[row // H] for row in range(LH)], u_maps, spec_t, iters, maps,
                    (buf.alpha, buf.beta, buf.cols, buf.dn_rows, buf.sk_rows, buf.rows), flags, workers)
     else:
-        _heads_torch(q, k, scale, u, variants, iters, spec, dist, ref, write, out, buf, queue, span_bound,
-                     u_maps, settings, workers, fallback)
+        span_bound = _span_bounds(q[:, 0], k[:, 0], torch.tensor(scale, dtype=q.dtype)[:, None])  # (L*H)
+        _heads_torch(q, k, scale, u, variants, iters, spec, dist, ref, write, out, buf, _queue(span_bound),
+                     span_bound, u_maps, settings, workers, fallback)
     if not sums:
         return out, None
     raw = _assemble_sums(buf, variants, ref, u_maps, iters, S)
@@ -158,7 +157,7 @@ def variants_with_sums(q, k, scale, variants, u, iters, specials, use_kernel: bo
     return out, raw
 
 
-def span_bounds(q: torch.Tensor, k: torch.Tensor, scale) -> list[float]:
+def _span_bounds(q: torch.Tensor, k: torch.Tensor, scale) -> list[float]:
     """Bounds on each map's score span, 2 scale max_i |q_i| max_j |k_j| (|s_ij| <= scale |q_i| |k_j|):
     maps whose bound is at most ``LINEAR_SPAN_MAX`` skip the exact check. q, k (..., N, D), scale a
     number or broadcastable to q's leading dimensions; flattened over them."""
@@ -180,9 +179,10 @@ def flags_for(variants, js_variants, write, sums: bool) -> tuple[bool, ...]:
     return ("dnas" in js, "hnas" in js, "sinkhorn" in js, "hnas" in need, "sinkhorn" in need)
 
 
-def run_kernel(kernel, q, k, scales: list[float], span_bound: list[float], u_maps, spec_t, iters, maps,
-               buffers, flags, workers: int, v=None, out=None, analyse: bool = True) -> torch.Tensor:
-    """``kernel.heads`` (attnlab/csrc/analysis_cpu.cpp) on M maps: q, k (M, N, D); scales, span_bound per map;
+def run_kernel(kernel, q, k, scales: list[float], u_maps, spec_t, iters, maps, buffers, flags, workers: int,
+               v=None, out=None, analyse: bool = True) -> torch.Tensor:
+    """``kernel.heads`` (attnlab/csrc/analysis_cpu.cpp) on M maps: q, k (M, N, D); scales per map (the
+    kernel bounds each map's score span itself and takes those that may be wide first);
     u_maps (M,); maps: the (M, N, N) weight outputs of unas, dnas, hnas, sinkhorn or None each;
     buffers: the (M, ...) rows of _FusedBuffers' alpha, beta, cols, dn_rows, sk_rows, rows; v, out
     (M, N, Dv): unas' attention output into ``out`` (without ``analyse``: that alone). On ``workers``
@@ -191,10 +191,8 @@ def run_kernel(kernel, q, k, scales: list[float], span_bound: list[float], u_map
     if workers != previous:
         torch.set_num_threads(workers)
     try:
-        return kernel.heads(q, k, torch.tensor(scales, dtype=torch.float64), spec_t, iters,
-                            torch.tensor([b > LINEAR_SPAN_MAX for b in span_bound], dtype=torch.bool),
-                            u_maps.double().contiguous(), torch.tensor(_queue(span_bound), dtype=torch.int64),
-                            *maps, *buffers, *flags, v, out, analyse)
+        return kernel.heads(q, k, torch.tensor(scales, dtype=torch.float64), spec_t, iters, None,
+                            u_maps.double().contiguous(), None, *maps, *buffers, *flags, v, out, analyse)
     finally:
         if workers != previous:
             torch.set_num_threads(previous)

@@ -144,8 +144,16 @@ def _recompute_with_sums(loaded, input_ids, attention_mask, variants, given, spe
     if len(causal) != 1:
         raise ValueError("models mixing causal and bidirectional self-attention layers are not supported")
     causal = causal.pop() and input_ids.shape[1] > 1
-    q = torch.stack([c.query for c in captured]).float()  # (L, B, H, N, D)
-    k = torch.stack([c.key for c in captured]).float()  # (L, B, H, N, D)
+    stacked: list = []
+
+    def qk() -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k (L, B, H, N, D), stacked on first use (the lazy weights may never need them)."""
+        if not stacked:
+            stacked.extend(torch.stack([getattr(c, name) for c in captured]).float()
+                           for name in ("query", "key"))
+        return stacked[0], stacked[1]
+
+    first = captured[0].query  # (B, H, N, D)
     scale = [c.scaling for c in captured]
     params = {v: check_params(v, given, causal=causal) for v in variants}
     masks = [_layer_mask(c, valid) for c in captured]
@@ -154,18 +162,19 @@ def _recompute_with_sums(loaded, input_ids, attention_mask, variants, given, spe
         by_slot = {slot: v for v, slot in plan.items()}
         u = params[by_slot["hnas"]]["u"] if "hnas" in by_slot else 0.5
         iters = params[by_slot["sinkhorn"]]["iters"] if "sinkhorn" in by_slot else 1
-        u_l = _u_per_layer(u, len(captured), q.shape[2], q.device)
+        u_l = _u_per_layer(u, len(captured), first.shape[1], first.device)
         slots = tuple(plan.values())
-        if (specials is not None or lazy) and q.shape[1] == 1 and q.device.type == "cpu":  # lazy weights
+        if (specials is not None or lazy) and first.shape[0] == 1 and first.device.type == "cpu":  # lazily
             done = hook.sums() if hook is not None and hook.slots == slots else None  # from the forward
-            weights, sums = _lazy_with_sums(q, k, scale, plan, u_l, iters, specials, done)
+            weights, sums = _lazy_with_sums(qk, scale, plan, u_l, iters, specials, done)
             if sums is None:
                 return weights, None
             if by_slot.get("unas", "unas") != "unas":  # the statistics' js reference is unas by name
                 sums = {v: {**raw, "js": None} for v, raw in sums.items()}
             return weights, sums
-        weights = _variants_unmasked(q, k, scale, slots, u_l, iters)
+        weights = _variants_unmasked(*qk(), scale, slots, u_l, iters)
         return {v: weights[plan[v]] for v in variants}, None
+    q, k = qk()
     B, N = valid.shape
     everything = torch.ones(B, 1, N, N, dtype=torch.bool, device=q.device)  # a layer without a mask
     mask = torch.stack([everything if m is None else m for m in masks])  # (L, B, 1, N, N)
@@ -320,12 +329,13 @@ def _layerwise(loaded: LoadedModel, input_ids, attention_mask, variants, given, 
                              workers)
 
 
-def _lazy_with_sums(q, k, scale, plan: Mapping[str, str], u, iters, specials,
+def _lazy_with_sums(qk, scale, plan: Mapping[str, str], u, iters, specials,
                     sums=None) -> tuple[LazyWeights, dict]:
     """The row sums of :func:`_variants_with_sums` now, with no weights written, and the weights as a
     :class:`~attnlab.hf.lazy_weights.LazyWeights`: a variant's are computed on first access by the
     same call with the same arguments (the same kernel or PyTorch path, the same torch threads), so
-    they have the values the first call would have written; q, k (L, 1, H, N, D) are kept for that.
+    they have the values the first call would have written; ``qk()`` gives q, k (L, 1, H, N, D) for that
+    (the captured layers are kept, stacked on first use).
     ``plan``: variant -> its slot in the fused analysis; results are keyed by variant. ``specials``
     None: no row sums (None), the weights alone, lazily. ``sums``: the row sums already computed
     (by the capture forward's layer hook, :func:`_layerwise`), keyed by slot."""
@@ -333,15 +343,16 @@ def _lazy_with_sums(q, k, scale, plan: Mapping[str, str], u, iters, specials,
     slots = tuple(plan.values())
     by_slot = {slot: v for v, slot in plan.items()}
     if specials is not None and sums is None:
-        _, sums = fused_sums.variants_with_sums(q, k, scale, slots, u, iters, specials, use_kernel=use_kernel,
-                                                write=())
+        _, sums = fused_sums.variants_with_sums(*qk(), scale, slots, u, iters, specials,
+                                                use_kernel=use_kernel, write=())
 
     def compute(names: tuple[str, ...]) -> dict[str, torch.Tensor]:
         previous = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            out = fused_sums.variants_with_sums(q, k, scale, slots, u, iters, specials, use_kernel=use_kernel,
-                                                write=[plan[n] for n in names], sums=False)[0]
+            out = fused_sums.variants_with_sums(*qk(), scale, slots, u, iters, specials,
+                                                use_kernel=use_kernel, write=[plan[n] for n in names],
+                                                sums=False)[0]
         finally:
             torch.set_num_threads(previous)
         return {by_slot[slot]: t for slot, t in out.items()}
