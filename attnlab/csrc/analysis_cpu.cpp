@@ -75,8 +75,7 @@ bool score_pass(Head& h, const float* q, int64_t ldq, const float* k, int64_t ld
   SerialBlas serial;
 #if defined(CPU_CAPABILITY_AVX512)
   const bool tiles = ldk < (int64_t(1) << 27);  // the panels' gather offsets fit int32
-  PackedB kp;  // k in 32-key panels once per head (tiles.h)
-  if (tiles) kp.pack(k, ldk, N, D);
+  const PackedB kp(k, tiles ? ldk : 0, tiles ? N : 0, D);  // k in 32-key panels once per head (tiles.h)
 #else
   const bool tiles = false;
 #endif
@@ -86,7 +85,7 @@ bool score_pass(Head& h, const float* q, int64_t ldq, const float* k, int64_t ld
     const int64_t R = std::min(rows, N - i0);
     float* sb = h.s + i0 * N;
 #if defined(CPU_CAPABILITY_AVX512)
-    if (tiles) tiled_packed(R, scale, q + i0 * ldq, ldq, kp, 0.f, sb, N);
+    if (tiles) tiled_packed(R, scale, q + i0 * ldq, ldq, kp, sb, N);
 #endif
     if (!tiles) gemm_abt(R, N, D, scale, q + i0 * ldq, ldq, k, ldk, 0.f, sb, N);
     float bmax = -std::numeric_limits<float>::infinity();
@@ -120,7 +119,7 @@ bool score_pass(Head& h, const float* q, int64_t ldq, const float* k, int64_t ld
     }
     if (h.out) {  // unas' attention output for the block's rows, while their E is in L2
 #if defined(CPU_CAPABILITY_AVX512)
-      tiled_ab(R, h.Dv, N, h.e + i0 * N, N, h.v, h.ldv, 0.f, h.out + i0 * h.ldo, h.ldo);
+      tiled_ab(R, h.Dv, N, h.e + i0 * N, N, h.v, h.ldv, h.out + i0 * h.ldo, h.ldo);
 #else
       gemm_ab(R, h.Dv, N, h.e + i0 * N, N, h.v, h.ldv, h.out + i0 * h.ldo, h.ldo);
 #endif
@@ -429,9 +428,6 @@ at::Tensor heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& sca
   const int64_t W = 3 + 2 * S, NN = N * N;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), M), 1, [&](int64_t, int64_t) {
-#if !defined(CPU_CAPABILITY_AVX512)
-    SerialBlas serial;  // the scores by BLAS, one thread per head
-#endif
     std::unique_ptr<float[]> s(new float[NN]), e(new float[NN]);  // uninitialized: the score pass writes them
     std::vector<float> mu(N);
     for (int64_t i = next++; i < M; i = next++) {

@@ -50,13 +50,11 @@ class LayerwiseAnalysis:
         self.with_sums = specials is not None
         # every map's rows with the sums; without, one layer's, as the kernel's scratch
         self.buf = _FusedBuffers.new(L * H if self.with_sums else H, N, self.S, torch.zeros(()))
-        js_variants = [v for v in self.slots if self.ref is not None and v != self.ref]
-        self.flags = flags_for(self.slots, js_variants, (), True)
+        self.flags = flags_for(self.slots, (), True)
         self.done = 0  # layers analysed, in order
         self.active = True  # False once a layer ran the model's own attention
 
-    def takes(self, query, key, value, attention_mask, dropout: float, training: bool, causal: bool,
-              kwargs) -> bool:
+    def takes(self, query, key, value, mask, dropout: float, training: bool, causal: bool, kwargs) -> bool:
         """Whether the kernel can stand in for this layer's attention (and analyse it)."""
         if not self.active or causal or (training and dropout > 0):
             return False
@@ -68,19 +66,15 @@ class LayerwiseAnalysis:
             return False
         if key.shape[2] != self.N or value.shape[2] != self.N:
             return False
-        if attention_mask is not None:  # only a mask that masks nothing
-            mask = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
-            if not bool(mask.all()):
-                return False
-        return True
+        return mask is None or bool(mask.all())  # only a mask that masks nothing
 
-    def __call__(self, layer: int, query, key, value, attention_mask, scaling: float, dropout: float,
-                 training: bool, causal: bool, last: bool, kwargs) -> torch.Tensor | None:
+    def __call__(self, layer: int, query, key, value, mask, scaling: float, dropout: float, training: bool,
+                 causal: bool, last: bool, kwargs) -> torch.Tensor | None:
         """Analyse layer ``layer`` (query (1, H, N, D); key, value (1, H, N, D|Dv), grouped-query heads
-        already repeated) and return its attention output (1, N, H, Dv) for the model, or None when
-        the model's own attention has to run (``last``: no output is needed)."""
-        if layer != self.done or not self.takes(query, key, value, attention_mask, dropout, training, causal,
-                                                kwargs):
+        already repeated; mask: the layer's bool mask, True = may attend, or None) and return its
+        attention output (1, N, H, Dv) for the model, or None when the model's own attention has to run
+        (``last``: no output is needed)."""
+        if layer != self.done or not self.takes(query, key, value, mask, dropout, training, causal, kwargs):
             self.active = False
             return None
         H, N = self.H, self.N

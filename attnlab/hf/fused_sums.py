@@ -125,7 +125,7 @@ def variants_with_sums(q, k, scale, variants, u, iters, specials, use_kernel: bo
     S = spec.shape[-1]
     dist = distance_matrix(N, N, q)  # (N, N) |i - j|
     u_maps = (q.new_full((LH,), u) if isinstance(u, float) else u.to(q.dtype).reshape(L, H).reshape(LH))
-    js_variants = [v for v in variants if ref is not None and v != ref]
+    js_variants = _js_variants(variants)
     clamp_hnas = bool((u_maps > 1.0 - 1e-6).any())  # hnas = dnas may underflow to 0: 0 ln 0 = 0
     buf = _FusedBuffers.new(LH, N, S, q)
     fallback = []  # (row, {variant: row sums}) of wide heads
@@ -133,7 +133,7 @@ def variants_with_sums(q, k, scale, variants, u, iters, specials, use_kernel: bo
     spec_t = spec.t().contiguous()  # (S, N)
     settings = _HeadSettings(variants, iters, spec, dist, js_variants, clamp_hnas)
 
-    flags = flags_for(variants, settings.js_variants, write, sums)
+    flags = flags_for(variants, write, sums)
     workers = _WORKERS if _WORKERS is not None else torch.get_num_threads()
     if kernel is not None:  # every map in the CPU kernel (attnlab/csrc/analysis_cpu.cpp), a wide one in its
         # log-space path (analysis_wide.h) with the same buffer layout, on ``workers`` threads
@@ -144,8 +144,8 @@ def variants_with_sums(q, k, scale, variants, u, iters, specials, use_kernel: bo
                    (buf.alpha, buf.beta, buf.cols, buf.dn_rows, buf.sk_rows, buf.rows), flags, workers)
     else:
         span_bound = _span_bounds(q[:, 0], k[:, 0], torch.tensor(scale, dtype=q.dtype)[:, None])  # (L*H)
-        _heads_torch(q, k, scale, u, variants, iters, spec, dist, ref, write, out, buf, _queue(span_bound),
-                     span_bound, u_maps, settings, workers, fallback)
+        _heads_torch(q, k, scale, u, variants, iters, spec, dist, ref, write, out, buf, span_bound, u_maps,
+                     settings, workers, fallback)
     if not sums:
         return out, None
     raw = _assemble_sums(buf, variants, ref, u_maps, iters, S)
@@ -171,10 +171,16 @@ def _queue(span_bound: list[float]) -> list[int]:
     return sorted(range(len(span_bound)), key=lambda row: -span_bound[row])
 
 
-def flags_for(variants, js_variants, write, sums: bool) -> tuple[bool, ...]:
-    """The kernel's (js_dnas, js_hnas, js_sinkhorn, hnas, sinkhorn): without sums only the written
-    variants are needed (no Sinkhorn rounds or HNAS rows that are not written)."""
-    js = js_variants if sums else ()
+def _js_variants(variants) -> list[str]:
+    """The variants whose Jensen-Shannon divergence to unas is summed: all but unas, when it is there."""
+    return [v for v in variants if v != "unas"] if "unas" in variants else []
+
+
+def flags_for(variants, write, sums: bool) -> tuple[bool, ...]:
+    """The kernel's (js_dnas, js_hnas, js_sinkhorn, hnas, sinkhorn): the Jensen-Shannon sums to unas
+    when it is analysed; without sums only the written variants are needed (no Sinkhorn rounds or HNAS
+    rows that are not written)."""
+    js = _js_variants(variants) if sums else ()
     need = variants if sums else write
     return ("dnas" in js, "hnas" in js, "sinkhorn" in js, "hnas" in need, "sinkhorn" in need)
 
@@ -198,13 +204,14 @@ def run_kernel(kernel, q, k, scales: list[float], u_maps, spec_t, iters, maps, b
             torch.set_num_threads(previous)
 
 
-def _heads_torch(q, k, scale, u, variants, iters, spec, dist, ref, write, out, buf, queue, span_bound, u_maps,
+def _heads_torch(q, k, scale, u, variants, iters, spec, dist, ref, write, out, buf, span_bound, u_maps,
                  settings, workers, fallback) -> None:
     """The maps of :func:`variants_with_sums` without attnlab's CPU kernel: PyTorch operations, heads taken
-    from ``queue`` by ``workers`` threads (one torch thread each), wide heads by :func:`_wide_head` into
-    ``fallback``."""
+    by ``workers`` threads (one torch thread each) in the order of :func:`_queue`, wide heads by
+    :func:`_wide_head` into ``fallback``."""
     L, _, H, N, _ = q.shape
     LH = L * H
+    queue = _queue(span_bound)
     # per map: its q, k, weight outputs and buffer rows as views made at once (not indexed per head)
     q_maps, k_maps = q[:, 0].reshape(LH, N, -1).unbind(0), k[:, 0].reshape(LH, N, -1).unbind(0)
     out_maps = {v: out[v][:, 0].view(LH, N, N).unbind(0) for v in write}  # views: written in place

@@ -256,8 +256,8 @@ def _capture_attention(module, query, key, value, attention_mask, scaling=None, 
         last = run.stop_after is not None and len(run.capture) >= run.stop_after
         out = None
         if run.layer_hook is not None:
-            out = run.layer_hook(len(run.capture) - 1, query, keys, repeat_kv(value, n_rep), attention_mask,
-                                 scale, dropout, module.training, causal, last, kwargs)
+            out = run.layer_hook(len(run.capture) - 1, query, keys, repeat_kv(value, n_rep),
+                                 run.capture[-1].mask, scale, dropout, module.training, causal, last, kwargs)
         if last:
             raise _CaptureComplete  # nothing after the last q and k is needed
         if out is not None:
@@ -378,8 +378,9 @@ def capture_qk(model, *, stop_after: int | None = None, layer_hook=None) -> Iter
     With ``stop_after`` (e.g. the model's number of layers) the forward ends as soon as that many
     calls are recorded, before the last one's attention, feed-forward and anything later run: the
     rest of the ``with`` block is skipped and execution continues after it. ``layer_hook(layer, query, key,
-    value, attention_mask, scaling, dropout, training, causal, last, kwargs)``, when given, is called
-    after each layer's q and k are recorded (keys and values with grouped-query heads repeated); the
+    value, mask, scaling, dropout, training, causal, last, kwargs)``, when given, is called after each
+    layer's q and k are recorded (keys and values with grouped-query heads repeated, ``mask`` the
+    recorded one: bool, True = may attend, or None); the
     tensor it returns, (B, N, H, Dv), is the layer's attention output in place of SDPA's (None: SDPA
     runs). attnlab/hf/fused_forward.py's analysis is one.
     """

@@ -99,6 +99,15 @@ def _fused_plan(variants, params: Mapping[str, Mapping[str, Any]]) -> dict[str, 
     return plan
 
 
+def _slot_params(plan: Mapping[str, str], params: Mapping[str, Mapping[str, Any]]) -> tuple[Any, int]:
+    """(u, iters) of the fused analysis for ``plan``: HNAS's weight and Sinkhorn's rounds from the
+    variants in those slots (0.5 and 1 when a slot is empty)."""
+    by_slot = {slot: v for v, slot in plan.items()}
+    u = params[by_slot["hnas"]]["u"] if "hnas" in by_slot else 0.5
+    iters = params[by_slot["sinkhorn"]]["iters"] if "sinkhorn" in by_slot else 1
+    return u, iters
+
+
 def _layer_mask(c: CapturedLayer, valid: torch.Tensor) -> torch.Tensor | None:
     """bool (B, 1, N, N): the model's mask, and padded queries removed. None when nothing is masked."""
     if c.mask is None and bool(valid.all()):
@@ -160,8 +169,7 @@ def _recompute_with_sums(loaded, input_ids, attention_mask, variants, given, spe
     plan = None if causal or any(m is not None for m in masks) else _fused_plan(variants, params)
     if plan is not None:  # every variant from one score matrix per layer, in its slot
         by_slot = {slot: v for v, slot in plan.items()}
-        u = params[by_slot["hnas"]]["u"] if "hnas" in by_slot else 0.5
-        iters = params[by_slot["sinkhorn"]]["iters"] if "sinkhorn" in by_slot else 1
+        u, iters = _slot_params(plan, params)
         u_l = _u_per_layer(u, len(captured), first.shape[1], first.device)
         slots = tuple(plan.values())
         if (specials is not None or lazy) and first.shape[0] == 1 and first.device.type == "cpu":  # lazily
@@ -322,9 +330,7 @@ def _layerwise(loaded: LoadedModel, input_ids, attention_mask, variants, given, 
         plan = _fused_plan(variants, params)
     if plan is None:  # the attention outputs alone
         return LayerwiseAnalysis(L, H, N, (), 0.5, 1, None, kernel, workers)
-    by_slot = {slot: v for v, slot in plan.items()}
-    u = params[by_slot["hnas"]]["u"] if "hnas" in by_slot else 0.5
-    iters = params[by_slot["sinkhorn"]]["iters"] if "sinkhorn" in by_slot else 1
+    u, iters = _slot_params(plan, params)
     return LayerwiseAnalysis(L, H, N, tuple(plan.values()), _u_per_layer(u, L, H), iters, specials, kernel,
                              workers)
 
