@@ -122,7 +122,7 @@ def preflight(args, stream, error) -> list[str]:
                 + (f"choose at most {fit} with --flow-outputs" if fit else "use a smaller --window")
             )
     if args.interventions and stream.model.causal:
-        from attnlab.hf.interventions import load_with_lm_head
+        from attnlab.hf.beyond.interventions import load_with_lm_head
 
         args._lm = load_with_lm_head(stream.model.path, device=stream.device)  # worded error without a head
     if w.n_windows > 1 and (args.flow or args.interventions or args.faithfulness):
@@ -153,7 +153,7 @@ def finish(args, stream, result, tmp: Path) -> tuple[list[str], list[str], dict]
 
     from attnlab import flow
     from attnlab.figures import beyond as fig
-    from attnlab.hf import faithfulness, interventions
+    from attnlab.hf.beyond import faithfulness, interventions
 
     written, notes, figures = [], [], {}
     if args.contributions:

@@ -3,7 +3,7 @@ weight it gets (Kobayashi et al. 2020, "Attention is Not Only a Weight: Analyzin
 Vector Norms"). Pure functions on tensors.
 
 Notation as in ``attnlab.stats``; f_h(x_j) = (x_j W_V,h + b_V,h) W_O,h (D,) is key j's value vector
-in head h carried through the head's slice of the output projection (``attnlab.hf.values``).
+in head h carried through the head's slice of the output projection (``attnlab.hf.capture.values``).
 
     value_norms               ||f_h(x_j)||                                     (..., H, N)
     value_gram                G_j[h, k] = f_h(x_j) . f_k(x_j)                   (..., N, H, H)

@@ -16,10 +16,10 @@ import time
 import torch
 
 from attnlab import kernels
-from attnlab.hf.benchmark import _BENCH_TEXT
-from attnlab.hf.interface import capture_qk
-from attnlab.hf.loading import load_model
-from attnlab.hf.windows import special_affixes, tokenize_text
+from attnlab.hf.analysis.benchmark import _BENCH_TEXT
+from attnlab.hf.capture.interface import capture_qk
+from attnlab.hf.load.loading import load_model
+from attnlab.hf.capture.windows import special_affixes, tokenize_text
 
 
 def heads(n_tokens: int = 512):

@@ -21,7 +21,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 from attnlab import VARIANTS, contributions, data, flow, hf  # noqa: E402
-from attnlab.hf import faithfulness, interventions, values  # noqa: E402
+from attnlab.hf.beyond import faithfulness, interventions  # noqa: E402
+from attnlab.hf.capture import values  # noqa: E402
 
 
 def _rss_mb() -> float:

@@ -56,7 +56,7 @@ def test_eight_sessions_get_their_own_results(reliability):
 
     model = hf.load_model(None)  # the app's cached loader and this one share the one copy
     assert hf.load_model(None) is model
-    from attnlab.hf import loading
+    from attnlab.hf.load import loading
 
     embedded = [k for k in loading._CACHE if k == str(hf.default_model_path().resolve())]
     assert len(embedded) == 1  # one copy of the model for all 8 sessions

@@ -14,7 +14,7 @@ import torch
 from conftest import TINY_ARCHS, _config
 
 from attnlab import VARIANTS, contributions, flow, hf, sinks, stats
-from attnlab.hf import values
+from attnlab.hf.capture import values
 
 EXTRA_CONFIGS = {  # GQA with 2 value heads for 4 query heads, like the tiny LLaMA
     "mistral": dict(

@@ -328,7 +328,7 @@ def test_class_statistics_from_the_fused_column_masses_without_weights(minilm):
     """The corpus's key-class breakdown reads the analysis pass's column masses: no weights are
     computed for it, and they equal the weights' column sums (float32 rounding)."""
     from attnlab import hf
-    from attnlab.hf.lazy_weights import _PENDING
+    from attnlab.hf.compute.lazy_weights import _PENDING
 
     result = hf.analyze("The cat sat on the mat because it was warm, and the dog watched.", minilm)
     window = result._single("weights")

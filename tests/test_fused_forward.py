@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from attnlab import hf, kernels
-from attnlab.hf import fused_sums
-from attnlab.hf import weights as hf_weights
-from attnlab.hf.fused_forward import LayerwiseAnalysis
-from attnlab.hf.interface import capture_qk
+from attnlab.hf.capture.interface import capture_qk
+from attnlab.hf.compute import fused_sums
+from attnlab.hf.compute import weights as hf_weights
+from attnlab.hf.compute.fused_forward import LayerwiseAnalysis
 from attnlab.normalizers import variant_specs
 
 KERNEL = tuple(s.name for s in variant_specs() if s.hf_kernel)
@@ -74,7 +74,7 @@ def test_kernel_attention_output_arguments(ops):
 
 
 def _ids(minilm, text, n):
-    from attnlab.hf.windows import special_affixes, tokenize_text
+    from attnlab.hf.capture.windows import special_affixes, tokenize_text
 
     prefix, suffix = special_affixes(minilm.tokenizer)
     body = tokenize_text(minilm.tokenizer, text).ids[: n - len(prefix) - len(suffix)].tolist()

@@ -15,7 +15,7 @@ from conftest import CAUSAL_ARCHS, CORPUS, TINY_ARCHS, TINY_POSITIONS, build_tin
 from transformers import AttentionInterface, AttentionMaskInterface
 
 from attnlab import DEFAULT_VARIANTS, VARIANTS, attention_weights, hf, variant_specs
-from attnlab.hf.weights import _POOL, _variants_unmasked
+from attnlab.hf.compute.weights import _POOL, _variants_unmasked
 
 # the variants attnlab.hf's fused analysis computes (the others take the generic materialized path)
 KERNEL = tuple(s.name for s in variant_specs() if s.hf_kernel)
@@ -445,7 +445,7 @@ def test_hnas_u_from_a_trained_attnlab_checkpoint(tmp_path, tiny_model_dir):
 
 @pytest.mark.parametrize("arch", ["bert", "gpt2"])
 def test_chunked_tokenization_equals_one_pass(tiny_model_dir, arch):
-    from attnlab.hf.windows import tokenize_text
+    from attnlab.hf.capture.windows import tokenize_text
 
     tok = hf.load_model(tiny_model_dir(arch)).tokenizer
     text = "  ".join(CORPUS * 4) + " end"
@@ -514,7 +514,7 @@ def test_fused_statistics_equal_tidy_table_on_the_weights(minilm, english_text, 
 def test_stream_without_statistics_has_the_same_weights_and_table(minilm, english_text):
     """statistics=False (the app's views): no row sums in the analysis pass, each variant's weights
     computed when first read, the same weights (bitwise) and table (from the weights) as with them."""
-    from attnlab.hf.lazy_weights import LazyWeights
+    from attnlab.hf.compute.lazy_weights import LazyWeights
 
     plain = hf.stream_analysis(english_text, minilm, window=128, statistics=False).window(0)
     fused = hf.stream_analysis(english_text, minilm, window=128).window(0)
@@ -533,7 +533,7 @@ def test_stream_without_statistics_has_the_same_weights_and_table(minilm, englis
 def test_one_variant_written_without_sums_equals_every_variant_with_sums(use_kernel):
     """The lazy weights' call (write one variant, no row sums: the kernel skips the Sinkhorn rounds,
     HNAS rows and distances it does not need) writes bitwise what the full pass writes."""
-    from attnlab.hf import fused_sums
+    from attnlab.hf.compute import fused_sums
 
     torch.manual_seed(1)
     L, H, N, D = 2, 3, 20, 8
@@ -551,7 +551,7 @@ def test_one_variant_written_without_sums_equals_every_variant_with_sums(use_ker
 
 def test_fused_path_handles_a_wide_head_and_matches_the_separate_computations():
     from attnlab import stats
-    from attnlab.hf.weights import _variants_with_sums
+    from attnlab.hf.compute.weights import _variants_with_sums
 
     torch.manual_seed(0)
     L, H, N, D = 2, 3, 24, 8
@@ -577,7 +577,7 @@ def test_kernel_and_pytorch_paths_agree(monkeypatch, variants, iters, N):
     operations give the same weights and row sums, for every variant subset, Sinkhorn iteration count
     and u per head (u = 0 and 1 too), with a wide head (log-space fallback) among them."""
     from attnlab import kernels
-    from attnlab.hf import weights
+    from attnlab.hf.compute import weights
 
     if kernels.analysis_ops() is None:
         pytest.skip(f"attnlab's CPU kernels not available: {kernels.build_error()}")
@@ -697,7 +697,7 @@ def test_statistics_pass_writes_no_weights_and_later_weights_are_identical(monke
     and each variant's weights written later, alone, equal (bit for bit) the ones written together
     (kernel and PyTorch paths, a wide head among them, u per head, Sinkhorn with rounds)."""
     from attnlab import kernels
-    from attnlab.hf import fused_sums
+    from attnlab.hf.compute import fused_sums
 
     if use_kernel and kernels.analysis_ops() is None:
         pytest.skip(f"attnlab's CPU kernels not available: {kernels.build_error()}")
@@ -723,7 +723,7 @@ def test_statistics_pass_writes_no_weights_and_later_weights_are_identical(monke
 
 
 def test_analysis_computes_weights_only_when_read(minilm, english_text):
-    from attnlab.hf.lazy_weights import LazyWeights
+    from attnlab.hf.compute.lazy_weights import LazyWeights
 
     result = hf.analyze(english_text, minilm)
     w = result.windows[0]
@@ -756,7 +756,7 @@ def test_analysis_computes_weights_only_when_read(minilm, english_text):
 def test_lazy_weights_behave_as_a_dict():
     import pickle
 
-    from attnlab.hf.lazy_weights import LazyWeights
+    from attnlab.hf.compute.lazy_weights import LazyWeights
 
     calls = []
 
@@ -803,7 +803,7 @@ def test_a_registered_variant_without_fused_analysis_takes_the_generic_path(mini
     import warnings
 
     from attnlab import register_variant
-    from attnlab.hf import weights as hw
+    from attnlab.hf.compute import weights as hw
     from attnlab.normalizers import specs
 
     name = f"toy_square_{int(hf_kernel)}"
@@ -860,7 +860,7 @@ def test_kernel_computes_wide_heads_in_log_space(monkeypatch, iters):
     path (analysis_wide.h; the kernel says so, no PyTorch fallback runs), and its weights and every row
     sum match float64 references computed from the weights, next to a linear head."""
     from attnlab import kernels
-    from attnlab.hf import fused_sums
+    from attnlab.hf.compute import fused_sums
     from attnlab.stats import distance_matrix
     from attnlab.stats.engine import row_sums_dict
 
@@ -909,7 +909,7 @@ def test_fused_js_distances_are_accurate_for_close_and_far_rows(scale):
     far from them, and ("ramp") a head whose dnas weights differ from unas' by up to e^25 either way:
     scores falling 0.8 nats a key (span 50, still a linear head), nearly the same in every row, so
     that dnas spreads each row almost evenly."""
-    from attnlab.hf import fused_sums
+    from attnlab.hf.compute import fused_sums
 
     torch.manual_seed(3)
     L, H, N, D = 1, 2, 64, 16

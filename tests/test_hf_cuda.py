@@ -103,8 +103,8 @@ def _statistics(w: hf.WindowResult) -> dict[str, dict[str, torch.Tensor]]:
     special keys, reference unas) as tensors, from the row sums computed with the weights when there
     are some, else from the weights."""
     from attnlab import stats
-    from attnlab.hf.analysis import _u_for_stats
-    from attnlab.hf.weights import _row_sums_of
+    from attnlab.hf.analysis.pipeline import _u_for_stats
+    from attnlab.hf.compute.weights import _row_sums_of
 
     special = w.special | w.punctuation
     cached = w._cached_sums(special, "unas")

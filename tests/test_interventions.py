@@ -1,4 +1,4 @@
-"""Per-head interventions and faithfulness (attnlab.hf.interventions, attnlab.hf.faithfulness) against
+"""Per-head interventions and faithfulness (attnlab.hf.beyond: interventions, faithfulness) against
 a literal one-head-swapped forward, on tiny random models (encoder; causal LMs with their LM head,
 GPT-2 and LLaMA with grouped-query attention). Seeded and offline."""
 
@@ -11,8 +11,8 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
 
 from attnlab import VARIANTS, attention_weights, hf
-from attnlab.hf import faithfulness as fa
-from attnlab.hf import interventions as iv
+from attnlab.hf.beyond import faithfulness as fa
+from attnlab.hf.beyond import interventions as iv
 
 TEXT = "Attention lets every word look at every other word."
 
@@ -293,7 +293,7 @@ def test_interventions_describe_the_chosen_window(sharp_dir):
 
 def test_faithfulness_and_flow_describe_the_chosen_window(tiny_model_dir):
     from attnlab import flow
-    from attnlab.hf.one_window import text_window, window_flow
+    from attnlab.hf.analysis.one_window import text_window, window_flow
 
     loaded = hf.load_model(tiny_model_dir("bert"))
     stream = hf.stream_analysis(LONG, loaded, ("unas", "dnas"))

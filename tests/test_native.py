@@ -17,7 +17,7 @@ import attnlab
 from attnlab import hf, models
 from attnlab.checkpoint_io import is_checkpoint
 from attnlab.cli import main
-from attnlab.hf.native import NativeModel, capture_attention_inputs, learned_u
+from attnlab.hf.load.native import NativeModel, capture_attention_inputs, learned_u
 
 REPO = Path(__file__).resolve().parents[1]
 CKPT = REPO / "checkpoints"

@@ -90,7 +90,7 @@ def test_the_app_reads_one_variant_of_lazy_weights_without_computing_the_others(
     import torch
     from appkit.analysis import _numpy_weights
 
-    from attnlab.hf.lazy_weights import LazyWeights
+    from attnlab.hf.compute.lazy_weights import LazyWeights
 
     asked = []
 

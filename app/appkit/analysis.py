@@ -20,7 +20,7 @@ from appkit.sources import (
     load,
 )
 from attnlab import hf
-from attnlab.hf.lazy_weights import LazyWeights
+from attnlab.hf.compute.lazy_weights import LazyWeights
 
 _MOVED = {  # names that moved to appkit.controls with the controls
     "SAMPLE",
@@ -147,7 +147,7 @@ def _plan(
     """The planned analysis (``hf.stream_analysis``) of any model: Hugging Face or native checkpoint.
     A native HNAS checkpoint keeps the u it learned (the slider's u applies to other models)."""
     model = load(Source(kind, path, ""))
-    if isinstance(model, hf.NativeModel) and hf.native.learned_u(model) is not None:
+    if isinstance(model, hf.NativeModel) and hf.load.native.learned_u(model) is not None:
         u = None
     if model.info.causal and iters == attnlab.variant_spec("sinkhorn").param("iters").default:
         iters = None  # the slider left at its default: the causal rule's 1 (more rounds are refused)
@@ -193,7 +193,7 @@ def _window(
 
 
 class _NumpyWeights(Mapping):
-    """{variant: (L, H, N, N) numpy} over lazy analysis weights (attnlab.hf.lazy_weights): a variant is
+    """{variant: (L, H, N, N) numpy} over lazy analysis weights (hf.compute.lazy_weights): a variant is
     computed when first read, so a page that shows one variant computes that one (at 512 tokens each
     is ~75 MB and ~0.2 s); ``values()`` / ``items()`` compute every variant."""
 

@@ -1,6 +1,6 @@
 """The app's views beyond weights: explained away by contribution / without sinks, rollout and flow,
 per-head interventions. Cached computations on a :class:`appkit.analysis.WindowView`; the math is in
-``attnlab.contributions``, ``attnlab.sinks``, ``attnlab.flow`` and ``attnlab.hf.interventions``,
+``attnlab.contributions``, ``attnlab.sinks``, ``attnlab.flow`` and ``attnlab.hf.beyond.interventions``,
 the figures in ``attnlab.figures.beyond``."""
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from attnlab import contributions, flow, sinks, stats
 from attnlab.figures import beyond as figs
 from attnlab.figures import explained_away_heatmap
 from attnlab.figures.app_views import FigureBundle
-from attnlab.hf import interventions, values
+from attnlab.hf.beyond import interventions
+from attnlab.hf.capture import values
 
 BY = ("weight", "contribution")
 

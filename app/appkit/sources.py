@@ -80,7 +80,7 @@ def checkpoint_sources() -> list[Source]:
     return out
 
 
-# Native attnlab checkpoints load through the library like any model (attnlab.hf.native).
+# Native attnlab checkpoints load through the library like any model (attnlab.hf.load.native).
 NativeModel = hf.NativeModel
 
 

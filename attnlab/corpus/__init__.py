@@ -1,7 +1,7 @@
 """Corpus atlas: explaining-away statistics over many documents, on one machine or a Ray cluster.
 
-    from attnlab import hf
-    result = hf.analyze_corpus("kjv", out="runs/kjv", max_docs=100)   # or attnlab.corpus.analyze_corpus
+    from attnlab.corpus import analyze_corpus
+    result = analyze_corpus("kjv", out="runs/kjv", max_docs=100)
     result.summary()      # pandas: per variant, layer, head, statistic: mean, quantiles, 95 % CI
     result.rows           # the Parquet dataset of rows (a directory of shards)
 

@@ -38,7 +38,7 @@ __all__ = ["benchmark_corpus"]
 
 def _texts(loaded, n_docs: int, n_tokens: int = 512) -> list[str]:
     from attnlab.corpus.sources import open_source
-    from attnlab.hf.windows import special_affixes, tokenize_text
+    from attnlab.hf.capture.windows import special_affixes, tokenize_text
 
     prefix, suffix = special_affixes(loaded.tokenizer)
     out = []
@@ -54,7 +54,7 @@ def _texts(loaded, n_docs: int, n_tokens: int = 512) -> list[str]:
 
 def _docs_for_tokens(loaded, tokens: int) -> int:
     from attnlab.corpus.sources import open_source
-    from attnlab.hf.windows import tokenize_text
+    from attnlab.hf.capture.windows import tokenize_text
 
     total = 0
     for i, doc in enumerate(open_source("kjv"), 1):

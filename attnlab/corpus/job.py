@@ -223,7 +223,7 @@ def write_parquet(frame, path: Path) -> None:
 
 def _count(src: Source, loaded, settings: CorpusSettings, out: Path, progress: bool) -> dict:
     """The counting pass: token frequencies and the document list (tokens per document)."""
-    from attnlab.hf.windows import tokenize_text
+    from attnlab.hf.capture.windows import tokenize_text
 
     tokenizer = loaded.tokenizer
     counts = np.zeros(len(tokenizer), dtype=np.int64)

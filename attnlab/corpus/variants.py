@@ -52,7 +52,7 @@ def resolve(variants: Sequence[str] | str | None, params: Mapping[str, object] |
     manifest is JSON): a per-head tensor is refused.
     """
     import attnlab
-    from attnlab.hf.weights import check_arguments
+    from attnlab.hf.compute.weights import check_arguments
 
     params = dict(params or {})
     known = {f.name for f in param_flags()}

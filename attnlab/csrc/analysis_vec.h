@@ -210,7 +210,7 @@ inline bool aligned(const float* p) {
   return reinterpret_cast<std::uintptr_t>(p) % (sizeof(float) * Vec::size()) == 0;
 }
 
-constexpr float kLinearSpanMax = 60.f;  // = attnlab.hf.weights.LINEAR_SPAN_MAX
+constexpr float kLinearSpanMax = 60.f;  // = attnlab.hf.compute.weights.LINEAR_SPAN_MAX
 
 inline float reduce_min(const float* x, int64_t n) {
   return at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::minimum(a, b); }, x, n);

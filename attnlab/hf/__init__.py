@@ -27,7 +27,8 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from attnlab.hf.analysis import (  # noqa: E402
+from attnlab.hf.analysis.benchmark import benchmark_analysis  # noqa: E402
+from attnlab.hf.analysis.pipeline import (  # noqa: E402
     AnalysisResult,
     AnalysisStream,
     WindowResult,
@@ -35,8 +36,7 @@ from attnlab.hf.analysis import (  # noqa: E402
     hnas_u_from_checkpoint,
     stream_analysis,
 )
-from attnlab.hf.benchmark import benchmark_analysis  # noqa: E402
-from attnlab.hf.interface import (  # noqa: E402
+from attnlab.hf.capture.interface import (  # noqa: E402
     CAPTURE,
     CapturedLayer,
     UnsupportedModelError,
@@ -45,7 +45,9 @@ from attnlab.hf.interface import (  # noqa: E402
     register_attention_functions,
     use_variant,
 )
-from attnlab.hf.loading import (  # noqa: E402
+from attnlab.hf.capture.windows import Window, Windowing  # noqa: E402
+from attnlab.hf.compute.weights import MODES, batch_weights  # noqa: E402
+from attnlab.hf.load.loading import (  # noqa: E402
     LoadedModel,
     ModelInfo,
     ModelLoadError,
@@ -55,18 +57,26 @@ from attnlab.hf.loading import (  # noqa: E402
     model_on,
     resolve_device,
 )
-from attnlab.hf.native import NativeModel, capture_attention_inputs, load_native  # noqa: E402
-from attnlab.hf.weights import MODES, batch_weights  # noqa: E402
-from attnlab.hf.windows import Window, Windowing  # noqa: E402
+from attnlab.hf.load.native import NativeModel, capture_attention_inputs, load_native  # noqa: E402
 
 REGISTERED = register_attention_functions()
 
 
-def analyze_corpus(source, *args, **kwargs):
-    """Corpus-scale analysis (local or Ray): see :func:`attnlab.corpus.analyze_corpus`."""
-    from attnlab.corpus import analyze_corpus as run
+def __getattr__(name):
+    """``hf.analyze_corpus``: the old name of :func:`attnlab.corpus.analyze_corpus`, kept as an alias.
+    The corpus atlas sits above this package (it calls ``load_model`` and ``stream_analysis``), so the
+    alias resolves on first use and warns; import it from ``attnlab.corpus``."""
+    if name == "analyze_corpus":
+        import importlib
+        import warnings
 
-    return run(source, *args, **kwargs)
+        warnings.warn(
+            "attnlab.hf.analyze_corpus moved to attnlab.corpus.analyze_corpus",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return importlib.import_module("attnlab.corpus").analyze_corpus
+    raise AttributeError(f"module 'attnlab.hf' has no attribute {name!r}")
 
 
 __all__ = [
@@ -85,7 +95,6 @@ __all__ = [
     "WindowResult",
     "Windowing",
     "analyze",
-    "analyze_corpus",
     "batch_weights",
     "benchmark_analysis",
     "capture_attention_inputs",

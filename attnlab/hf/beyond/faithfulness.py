@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 import torch
 
 from attnlab import contributions, flow, stats
-from attnlab.hf.interface import use_variant
-from attnlab.hf.loading import LoadedModel, model_on
-from attnlab.hf.values import record_values, summarize, value_paths
-from attnlab.hf.variant_params import variant_kwargs
+from attnlab.hf.capture.interface import use_variant
+from attnlab.hf.capture.values import record_values, summarize, value_paths
+from attnlab.hf.capture.variant_params import variant_kwargs
+from attnlab.hf.load.loading import LoadedModel, model_on
 from attnlab.normalizers import VARIANTS
 
 __all__ = ["MEASURES", "FaithfulnessResult", "faithfulness", "token_importance"]
@@ -112,8 +112,8 @@ def _leave_one_out(net, ids, positions, batch_size) -> torch.Tensor:
 def _tokens(loaded: LoadedModel, text, window_index: int, window, overlap) -> tuple[torch.Tensor, list]:
     """(input ids (1, N) on the model's device, special-token flags) of an analysed Window, or of window
     ``window_index`` of a text (cut as analyze cuts it)."""
-    from attnlab.hf.one_window import text_window
-    from attnlab.hf.windows import Window
+    from attnlab.hf.analysis.one_window import text_window
+    from attnlab.hf.capture.windows import Window
 
     if not isinstance(text, Window):
         if not isinstance(text, str) or not text.strip():

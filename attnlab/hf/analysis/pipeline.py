@@ -2,11 +2,11 @@
 (the results themselves: attnlab/hf/results.py).
 
 Data flow (docs/DESIGN.md §5): text -> tokens -> windows -> model forward (capturing q, k per layer) ->
-weights per variant (:mod:`attnlab.hf.weights`, recompute or swap mode) -> statistics
+weights per variant (:mod:`attnlab.hf.compute.weights`, recompute or swap mode) -> statistics
 (``attnlab.stats``).
 
 Shapes: ``weights[variant]`` is (L, H, N, N) per window (layers, heads, queries, keys). The weights of
-one (padded) batch come from :func:`attnlab.hf.weights.batch_weights`.
+one (padded) batch come from :func:`attnlab.hf.compute.weights.batch_weights`.
 """
 
 from __future__ import annotations
@@ -20,20 +20,16 @@ from itertools import islice
 import torch
 
 from attnlab import stats
-from attnlab.hf import contribution_view
-from attnlab.hf.interface import DEFAULT_U
-from attnlab.hf.lazy_weights import batch_item
-from attnlab.hf.loading import LoadedModel, ModelInfo, model_on
-from attnlab.hf.native import NativeModel, learned_u, native_weights
-from attnlab.hf.results import (  # noqa: F401  (re-exported: their old home)
+from attnlab.hf.analysis import contribution_view
+from attnlab.hf.analysis.results import (  # noqa: F401  (re-exported: their old home)
     AnalysisResult,
     WindowResult,
     _fingerprint,
     _u_for_stats,
     hnas_u_from_checkpoint,
 )
-from attnlab.hf.weights import check_arguments, window_weights_and_sums
-from attnlab.hf.windows import (
+from attnlab.hf.capture.interface import DEFAULT_U
+from attnlab.hf.capture.windows import (
     MAX_DEFAULT_WINDOW,
     TokenizedText,
     Window,
@@ -43,6 +39,10 @@ from attnlab.hf.windows import (
     special_affixes,
     tokenize_text,
 )
+from attnlab.hf.compute.lazy_weights import batch_item
+from attnlab.hf.compute.weights import check_arguments, window_weights_and_sums
+from attnlab.hf.load.loading import LoadedModel, ModelInfo, model_on
+from attnlab.hf.load.native import NativeModel, learned_u, native_weights
 from attnlab.normalizers import DEFAULT_VARIANTS, check_params, variant_spec
 
 __all__ = [
@@ -284,7 +284,7 @@ def analyze(
             ``"auto"`` (CUDA when available). A model on another device is loaded there once (cached).
             ValueError naming ``device`` when CUDA is asked for but unavailable. Weights and
             statistics come back on the CPU either way; ``.device`` says where the model ran.
-        contributions: also record each layer's value vectors (``attnlab.hf.values``): the windows get
+        contributions: also record each layer's value vectors (``attnlab.hf.capture.values``): the windows get
             ``value_norms``, ``contribution_mass`` and contribution statistics in ``table()``.
 
     Returns:

@@ -25,19 +25,19 @@ from typing import Any
 
 import torch
 
-from attnlab.hf import fused_sums
-from attnlab.hf.fused_sums import ROW_SUMS  # noqa: F401  (re-exported)
-from attnlab.hf.interface import CapturedLayer, capture_qk, check_settings, use_variant
-from attnlab.hf.layers import (  # noqa: F401  (re-exported)
+from attnlab.hf.capture.interface import CapturedLayer, capture_qk, check_settings, use_variant
+from attnlab.hf.compute import fused_sums
+from attnlab.hf.compute.fused_sums import ROW_SUMS  # noqa: F401  (re-exported)
+from attnlab.hf.compute.layers import (  # noqa: F401  (re-exported)
     KERNEL_VARIANTS,
     LINEAR_SPAN_MAX,
     _check_kernel_variants,
     _variants_unmasked,
     fused_slot,
 )
-from attnlab.hf.lazy_weights import LazyWeights
-from attnlab.hf.loading import LoadedModel, model_on
-from attnlab.hf.pool import _POOL  # noqa: F401  (re-exported)
+from attnlab.hf.compute.lazy_weights import LazyWeights
+from attnlab.hf.compute.pool import _POOL  # noqa: F401  (re-exported)
+from attnlab.hf.load.loading import LoadedModel, model_on
 from attnlab.normalizers import (
     DEFAULT_VARIANTS,
     VARIANTS,
@@ -85,7 +85,7 @@ _noted: set[str] = set()  # variants whose generic analysis path was noted (once
 
 def _fused_plan(variants, params: Mapping[str, Mapping[str, Any]]) -> dict[str, str] | None:
     """variant -> its slot in attnlab.hf's fused analysis, when every variant has one (derived from
-    the specs, :func:`attnlab.hf.layers.fused_slot`) and no two share one; None otherwise (the generic
+    the specs, :func:`attnlab.hf.compute.layers.fused_slot`) and no two share one; None otherwise (the generic
     materialized path for all), with a one-time note for each variant that has no slot."""
     plan = {v: fused_slot(variant_spec(v), params[v]) for v in variants}
     for v, slot in plan.items():
@@ -137,7 +137,7 @@ def _recompute(loaded: LoadedModel, input_ids, attention_mask, variants, given) 
 def _recompute_with_sums(loaded, input_ids, attention_mask, variants, given, specials=None, lazy=False):
     """-> (weights as in :func:`_recompute`, row sums of every variant for the tidy table or None).
     ``lazy`` (with ``specials`` None): on the fused CPU path the weights are computed on first read
-    (attnlab.hf.lazy_weights), with no row sums.
+    (attnlab.hf.compute.lazy_weights), with no row sums.
 
     The row sums (``attnlab.stats.engine.row_sums_dict`` layout over L*H maps, special-token masses for each
     mask of ``specials``) come with the fused CPU path only: one unmasked text (B = 1) of a
@@ -256,7 +256,7 @@ def batch_weights(
         raise ValueError(
             f"attention_mask must match input_ids {tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}"
         )
-    from attnlab.hf.native import NativeModel, native_weights
+    from attnlab.hf.load.native import NativeModel, native_weights
 
     if isinstance(loaded, NativeModel):  # attnlab's own checkpoint: its own capture
         return native_weights(loaded, input_ids, attention_mask, variants, mode, given)[0]
@@ -303,7 +303,7 @@ def _row_sums_of(weights: dict[str, torch.Tensor], specials) -> dict:
 
 
 def _variants_with_sums(q, k, scale, variants, u, iters, specials):
-    """:func:`attnlab.hf.fused_sums.variants_with_sums` with this module's ``_USE_KERNEL``: every
+    """:func:`attnlab.hf.compute.fused_sums.variants_with_sums` with this module's ``_USE_KERNEL``: every
     variant's weights, written together with the row sums."""
     return fused_sums.variants_with_sums(q, k, scale, variants, u, iters, specials, use_kernel=_USE_KERNEL)
 
@@ -314,7 +314,7 @@ def _layerwise(loaded: LoadedModel, input_ids, attention_mask, variants, given, 
     place of SDPA's in every such forward, and with ``specials`` and every variant in a slot of the
     fused analysis the row sums computed as the layers run."""
     from attnlab import kernels
-    from attnlab.hf.fused_forward import LayerwiseAnalysis
+    from attnlab.hf.compute.fused_forward import LayerwiseAnalysis
 
     info = loaded.info
     if info.causal or input_ids.shape[0] != 1 or input_ids.device.type != "cpu":
@@ -338,7 +338,7 @@ def _layerwise(loaded: LoadedModel, input_ids, attention_mask, variants, given, 
 def _lazy_with_sums(qk, scale, plan: Mapping[str, str], u, iters, specials,
                     sums=None) -> tuple[LazyWeights, dict]:
     """The row sums of :func:`_variants_with_sums` now, with no weights written, and the weights as a
-    :class:`~attnlab.hf.lazy_weights.LazyWeights`: a variant's are computed on first access by the
+    :class:`~attnlab.hf.compute.lazy_weights.LazyWeights`: a variant's are computed on first access by the
     same call with the same arguments (the same kernel or PyTorch path, the same torch threads), so
     they have the values the first call would have written; ``qk()`` gives q, k (L, 1, H, N, D) for that
     (the captured layers are kept, stacked on first use).

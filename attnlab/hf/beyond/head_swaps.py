@@ -34,7 +34,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from attnlab.hf.interface import UnsupportedModelError, to_bool_mask
+from attnlab.hf.capture.interface import UnsupportedModelError, to_bool_mask
 from attnlab.normalizers import attend
 
 __all__ = ["INTERVENE", "BATCH_BYTES", "SwapPlan", "swap_runner", "default_batch_size"]

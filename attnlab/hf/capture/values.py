@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attnlab.hf.interface import UnsupportedModelError
+from attnlab.hf.capture.interface import UnsupportedModelError
 
 __all__ = ["VALUE_PATHS", "ValuePath", "value_paths", "record_values", "head_outputs"]
 
@@ -252,8 +252,8 @@ def window_value_summaries(
     """variant -> :class:`ValueSummary` for one window (input_ids (1, N)): recompute mode runs the
     model's own forward once (shared by every variant), swap mode one forward per variant with
     ``params`` (any variant's parameters, e.g. {"u": 0.5, "iters": 3}; each takes its own)."""
-    from attnlab.hf.interface import use_variant
-    from attnlab.hf.variant_params import variant_kwargs
+    from attnlab.hf.capture.interface import use_variant
+    from attnlab.hf.capture.variant_params import variant_kwargs
 
     paths = value_paths(loaded.model)
     ids = input_ids.to(loaded.device)

@@ -2,11 +2,11 @@
 through the analysis kernel as the layer runs, and the kernel's unas output softmax(s) v, from the same
 exponentials, takes the place of the model's own (SDPA) attention, which would compute them again.
 
-:class:`LayerwiseAnalysis` is the ``layer_hook`` of :func:`attnlab.hf.interface.capture_qk`. attnlab/hf/
-weights.py sets it up for every recompute-mode forward of one unpadded window of a bidirectional model
+:class:`LayerwiseAnalysis` is the ``layer_hook`` of :func:`attnlab.hf.capture.interface.capture_qk`.
+attnlab/hf/compute/weights.py sets it up for every recompute-mode forward of one unpadded window of a bidirectional model
 on the CPU with the kernel built, whatever the variants and whether statistics are asked for, so that
 the captured q and k (and every weight computed from them) do not depend on either. With row sums
-wanted it fills those of :func:`attnlab.hf.fused_sums.variants_with_sums` layer by layer (the same
+wanted it fills those of :func:`attnlab.hf.compute.fused_sums.variants_with_sums` layer by layer (the same
 kernel call on the same q and k, a layer's maps at a time), so that after the forward only
 ``_assemble_sums`` is left; without, the kernel computes the attention output alone (its score pass).
 A layer it cannot take (a mask, causal, not float32, a softcap or sliding window, dropout in training)
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from attnlab.hf.fused_sums import _assemble_sums, _FusedBuffers, flags_for, run_kernel
+from attnlab.hf.compute.fused_sums import _assemble_sums, _FusedBuffers, flags_for, run_kernel
 
 __all__ = ["LayerwiseAnalysis"]
 

@@ -40,9 +40,9 @@ from typing import Any
 
 import torch
 
-from attnlab.hf.interface import DEFAULT_U
-from attnlab.hf.loading import LoadedModel, ModelInfo, ModelLoadError, resolve_device
-from attnlab.hf.native_tokenizer import NativeTokenizer
+from attnlab.hf.capture.interface import DEFAULT_U
+from attnlab.hf.load.model_info import LoadedModel, ModelInfo, ModelLoadError, resolve_device
+from attnlab.hf.load.native_tokenizer import NativeTokenizer
 from attnlab.normalizers import attention_weights, check_params, variant_spec
 
 __all__ = [
@@ -79,7 +79,7 @@ def load_native(path: str | os.PathLike, *, device="cpu") -> NativeModel:
     """Load (once per checkpoint step and device) a native attnlab checkpoint for analysis.
 
     ``path`` is a run directory (its ``latest.json`` names the step) or a step directory. Reads JSON
-    and safetensors only. :class:`~attnlab.hf.loading.ModelLoadError` (a ValueError) when it does not
+    and safetensors only. :class:`~attnlab.hf.load.loading.ModelLoadError` (a ValueError) when it does not
     load; ValueError naming ``device`` for an unavailable device.
     """
     from attnlab.checkpoint_io import resolve_checkpoint
@@ -310,7 +310,7 @@ def native_weights(
     """Weights of every variant for a (padded) batch of a native checkpoint.
 
     input_ids, attention_mask: (B, N) (mask: 1 = real token; default all ones). ``params``: the variant
-    parameters given (checked, e.g. by ``hf.weights.check_arguments``; the specs' defaults fill the
+    parameters given (checked, e.g. by ``hf.compute.weights.check_arguments``; the specs' defaults fill the
     rest); a tensor is per layer and head, broadcastable to (L, H). Without ``u`` HNAS uses the u the
     checkpoint's HNAS layers learned (0.5 in its other layers).
     Returns ({variant: (L, B, H, N, N)}, {variant: {map: (L, B, H, N, N)}} for GAM layers: "phi",

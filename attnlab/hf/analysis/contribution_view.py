@@ -1,5 +1,5 @@
 """Contribution norms of an analysed window: recording the values during the analysis forward and the
-properties of :class:`attnlab.hf.analysis.WindowResult` built on them (``value_norms``,
+properties of :class:`attnlab.hf.analysis.pipeline.WindowResult` built on them (``value_norms``,
 ``contribution_mass``, ``layer_contribution_norms``, the contribution rows of ``table()``).
 
 Recompute mode runs the model's own forward once: every variant's contributions use its values.
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import torch
 
 from attnlab import contributions
-from attnlab.hf.values import record_values, value_paths, window_summaries
+from attnlab.hf.capture.values import record_values, value_paths, window_summaries
 
 __all__ = ["check_flag", "recording", "value_norms", "contribution_mass", "layer_norms", "with_contributions"]
 

@@ -9,7 +9,7 @@ layer l, whose weights are replaced by a variant's (computed from the same q and
 - causal LMs loaded with their LM head (:func:`load_with_lm_head`): the change of the text's
   log-likelihood per token, mean_t ln p'(x_t | x_<t) - mean_t ln p(x_t | x_<t) (``loglik_change``, nats).
 
-Batching (:mod:`attnlab.hf.head_swaps`): the swaps of one layer l run as one batch (one copy of the
+Batching (:mod:`attnlab.hf.beyond.head_swaps`): the swaps of one layer l run as one batch (one copy of the
 text per swapped head); the layers below l are not run again, and at layer l only what follows the
 attention runs per copy. All L x H heads of MiniLM (6 x 12) cost ~37 forward-equivalents instead of
 72 forwards. A long text is cut into windows as :func:`attnlab.hf.analyze` cuts it; ``window_index``
@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attnlab.hf.head_swaps import INTERVENE, SwapPlan, default_batch_size, swap_runner
-from attnlab.hf.loading import LoadedModel, model_on
-from attnlab.hf.variant_params import variant_kwargs
+from attnlab.hf.beyond.head_swaps import INTERVENE, SwapPlan, default_batch_size, swap_runner
+from attnlab.hf.capture.variant_params import variant_kwargs
+from attnlab.hf.load.loading import LoadedModel, model_on
 from attnlab.normalizers import VARIANTS
 
 __all__ = ["INTERVENE", "InterventionResult", "head_interventions", "load_with_lm_head", "has_lm_head"]
@@ -48,7 +48,7 @@ def load_with_lm_head(path: str | os.PathLike, *, device="cpu") -> LoadedModel:
     causal or its weights have no LM head (and it is not tied to the input embeddings)."""
     from transformers import AutoModelForCausalLM
 
-    from attnlab.hf.loading import ModelLoadError, _quiet_transformers, load_model
+    from attnlab.hf.load.loading import ModelLoadError, _quiet_transformers, load_model
 
     base = load_model(path, device=device)
     if not base.info.causal:
@@ -136,8 +136,8 @@ def _loglik(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 def _input_ids(loaded: LoadedModel, text, window_index: int, window, overlap) -> torch.Tensor:
     """(1, N) input ids: a Window's, given ids, or window ``window_index`` of a text (analyze's windows)."""
-    from attnlab.hf.one_window import text_window
-    from attnlab.hf.windows import Window
+    from attnlab.hf.analysis.one_window import text_window
+    from attnlab.hf.capture.windows import Window
 
     if isinstance(text, Window):
         return torch.tensor([text.input_ids])
@@ -178,7 +178,7 @@ def head_interventions(
         window_index: for a text, which of its windows (0-based; cut as :func:`attnlab.hf.analyze` cuts
             them, ``window`` tokens each, ``overlap`` shared); ValueError for one the text lacks.
         batch_size: swapped heads per forward (default: a layer's H heads, fewer when a batch's
-            activations would pass ``attnlab.hf.head_swaps.BATCH_BYTES``).
+            activations would pass ``attnlab.hf.beyond.head_swaps.BATCH_BYTES``).
         progress: a tqdm bar over the L x H heads; on_progress: called as on_progress(done, L * H)
             after each batch (e.g. a Streamlit progress bar).
 
@@ -195,7 +195,7 @@ def head_interventions(
         raise ValueError(
             f"interventions on the causal model {info.name} measure the change of the text's log-likelihood, "
             "which needs the LM head, but the model was loaded without one; load it with "
-            "attnlab.hf.interventions.load_with_lm_head(directory)"
+            "attnlab.hf.beyond.interventions.load_with_lm_head(directory)"
         )
     ids = _input_ids(loaded, text, window_index, window, overlap)
     N = ids.shape[1]

@@ -1,4 +1,4 @@
-"""attnlab.data's tokenizers (WordPiece, bytes) behind the calls :mod:`attnlab.hf.windows` makes of a
+"""attnlab.data's tokenizers (WordPiece, bytes) behind the calls :mod:`attnlab.hf.capture.windows` makes of a
 transformers tokenizer, so native checkpoints are windowed like Hugging Face models."""
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from attnlab.hf.layers import LINEAR_SPAN_MAX, _check_kernel_variants, _variants_unmasked
-from attnlab.hf.pool import _POOL
+from attnlab.hf.compute.layers import LINEAR_SPAN_MAX, _check_kernel_variants, _variants_unmasked
+from attnlab.hf.compute.pool import _POOL
 from attnlab.stats import distance_matrix
 from attnlab.stats.divergence import js2_rowsum
 from attnlab.stats.engine import row_sums_dict

@@ -16,7 +16,6 @@ import json
 import os
 import re
 import threading
-from dataclasses import dataclass, field
 from pathlib import Path
 
 # Never reach a model hub (read by huggingface_hub when it is first imported).
@@ -28,7 +27,8 @@ from transformers import AutoConfig, AutoModel, AutoTokenizer  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from attnlab.checkpoint_io import is_checkpoint  # noqa: E402
-from attnlab.hf.interface import UnsupportedModelError, capture_qk  # noqa: E402
+from attnlab.hf.capture.interface import UnsupportedModelError, capture_qk  # noqa: E402
+from attnlab.hf.load.model_info import LoadedModel, ModelInfo, ModelLoadError, resolve_device  # noqa: E402
 
 __all__ = [
     "ModelLoadError",
@@ -47,81 +47,9 @@ _OFFSET_POSITIONS = {"roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "l
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
-class ModelLoadError(ValueError):
-    """A model directory that cannot be loaded; the message says why and what to do."""
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the analysis needs to know about a loaded model."""
-
-    path: str  # resolved model directory
-    name: str  # display name
-    model_type: str  # config.model_type, e.g. "bert"
-    architecture: str  # class of the loaded base model, e.g. "BertModel"
-    n_layers: int  # attention layers (L)
-    n_heads: int  # query heads per layer (H)
-    n_kv_heads: int  # key/value heads (< H for grouped-query attention)
-    max_length: int  # longest input the model takes, special tokens included
-    causal: bool  # decoder (j <= i) attention
-    embedded: bool  # the packaged default model
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
-
-
-@dataclass(frozen=True)
-class LoadedModel:
-    """A model in eval mode, its tokenizer and facts about it. ``lock`` serializes forwards that
-    switch the attention implementation (the app calls ``analyze`` from several threads)."""
-
-    model: torch.nn.Module
-    tokenizer: object
-    info: ModelInfo
-    lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
-
-    @property
-    def device(self) -> torch.device:
-        """Where the model's weights are (and its forwards run)."""
-        for p in self.model.parameters():
-            return p.device
-        return torch.device("cpu")
-
-
 _CACHE: dict[str, LoadedModel] = {}  # CPU copies by resolved directory
 _DEVICE_CACHE: dict[tuple[str, str], LoadedModel] = {}  # copies on other devices by (directory, device)
 _CACHE_LOCK = threading.Lock()
-
-
-def resolve_device(device, name: str = "device") -> torch.device:
-    """``"cpu"``, ``"cuda"``, ``"cuda:1"``, a ``torch.device`` or ``"auto"`` (CUDA when available, else
-    the CPU) -> a ``torch.device`` with an index for CUDA. Raises ValueError naming ``name`` for
-    anything else, and when CUDA (or that CUDA device) is asked for but not available."""
-    if isinstance(device, str) and device.strip().lower() == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        dev = torch.device(device.strip() if isinstance(device, str) else device)
-    except (RuntimeError, TypeError, ValueError):
-        dev = None
-    if dev is None or dev.type not in ("cpu", "cuda"):
-        raise ValueError(
-            f"{name} must be 'cpu', 'cuda', 'cuda:<index>', 'auto' or a torch.device, got {device!r}"
-        )
-    if dev.type == "cpu":
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        build = "a CPU-only build" if torch.version.cuda is None else "no CUDA device is visible"
-        raise ValueError(
-            f"{name}={str(device)!r} asks for CUDA, but torch {torch.__version__} cannot use it ({build}); "
-            f"use {name}='cpu' (or 'auto')"
-        )
-    count = torch.cuda.device_count()
-    index = torch.cuda.current_device() if dev.index is None else dev.index
-    if index >= count:
-        raise ValueError(
-            f"{name}={str(device)!r}: there are only {count} CUDA device(s) (cuda:0 .. cuda:{count - 1})"
-        )
-    return torch.device("cuda", index)
 
 
 def default_model_path() -> Path:
@@ -141,7 +69,7 @@ def load_model(path: str | os.PathLike | None = None, *, device="cpu") -> Loaded
 
     A native attnlab checkpoint (``attnlab train`` output, ``checkpoints/enc-*``: a ``config.json``
     of format ``attnlab-checkpoint/1``, or a run's ``latest.json``) loads as an
-    :class:`attnlab.hf.native.NativeModel`, analysed like any other model.
+    :class:`attnlab.hf.load.native.NativeModel`, analysed like any other model.
 
     ``device``: ``"cpu"`` (default), ``"cuda"``, ``"cuda:<index>"``, a ``torch.device`` or ``"auto"``
     (:func:`resolve_device`); a ValueError names ``device`` when CUDA is asked for but unavailable.
@@ -151,8 +79,8 @@ def load_model(path: str | os.PathLike | None = None, *, device="cpu") -> Loaded
     dev = resolve_device(device)
     embedded = path is None
     directory = (default_model_path() if embedded else Path(path)).expanduser()
-    if not embedded and is_checkpoint(directory):  # attnlab's own checkpoint (attnlab.hf.native)
-        from attnlab.hf.native import load_native
+    if not embedded and is_checkpoint(directory):  # attnlab's own checkpoint (attnlab.hf.load.native)
+        from attnlab.hf.load.native import load_native
 
         return load_native(directory, device=dev)
     key = str(directory.resolve()) if directory.exists() else str(directory)
@@ -180,7 +108,7 @@ def model_on(model: LoadedModel | str | os.PathLike | None, device=None) -> Load
 
 def clear_model_cache() -> None:
     """Forget every cached model."""
-    from attnlab.hf.native import clear_native_cache
+    from attnlab.hf.load.native import clear_native_cache
 
     with _CACHE_LOCK:
         _CACHE.clear()

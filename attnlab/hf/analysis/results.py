@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 import torch
 
 from attnlab import stats
-from attnlab.hf import contribution_view, lazy_weights
-from attnlab.hf.interface import DEFAULT_U
-from attnlab.hf.loading import ModelInfo
-from attnlab.hf.windows import Window, Windowing
+from attnlab.hf.analysis import contribution_view
+from attnlab.hf.capture.interface import DEFAULT_U
+from attnlab.hf.capture.windows import Window, Windowing
+from attnlab.hf.compute import lazy_weights
+from attnlab.hf.load.loading import ModelInfo
 
 __all__ = ["WindowResult", "AnalysisResult", "hnas_u_from_checkpoint"]
 
@@ -33,15 +34,15 @@ class WindowResult:
     # variants are computed on first access, attnlab/hf/lazy_weights.py); a plain dict otherwise
     weights: dict[str, torch.Tensor]
     u: float | torch.Tensor = DEFAULT_U  # HNAS weight used (for the u/N bound)
-    # variant -> {map: (L, H, N, N)}: the parts of a GAM checkpoint's weights (attnlab.hf.native):
+    # variant -> {map: (L, H, N, N)}: the parts of a GAM checkpoint's weights (attnlab.hf.load.native):
     # "phi" (content brains mixed, Eq. 14), "theta" (relative-position branch, Eq. 22), "brain_<b>",
     # "position_brain_<b>" (each brain normalized); NaN in layers without that map. Empty otherwise.
     components: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
-    # Row sums for the statistics, computed together with the weights (attnlab.hf.weights): (sums,
+    # Row sums for the statistics, computed together with the weights (attnlab.hf.compute.weights): (sums,
     # special-key masks they cover, the weights' (id, version) when computed). Used by ``table``
     # while the weights are those very tensors, unchanged.
     _sums: tuple | None = field(default=None, repr=False, compare=False)
-    # variant -> value norms and Gram matrices (attnlab.hf.values.ValueSummary), with contributions=True
+    # variant -> value norms and Gram matrices (hf.capture.values.ValueSummary), with contributions=True
     values: dict | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -132,7 +133,7 @@ class WindowResult:
 def _fingerprint(weights: dict[str, torch.Tensor]) -> tuple:
     """Which weight tensors (and versions) the row sums were computed with: a weight changed in place
     or replaced makes ``table`` recompute from the weights (tests/test_hf.py). Weights computed on
-    first access (attnlab.hf.lazy_weights) are not computed for it."""
+    first access (attnlab.hf.compute.lazy_weights) are not computed for it."""
     return lazy_weights.fingerprint(weights)
 
 

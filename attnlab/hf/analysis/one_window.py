@@ -8,8 +8,8 @@ from itertools import islice
 
 import torch
 
-from attnlab.hf.loading import LoadedModel
-from attnlab.hf.windows import Window, iter_windows
+from attnlab.hf.capture.windows import Window, iter_windows
+from attnlab.hf.load.loading import LoadedModel
 
 __all__ = ["text_window", "window_flow"]
 
@@ -23,7 +23,7 @@ def text_window(
 
     ValueError for an empty text, or naming ``window_index`` and how many windows the text has.
     """
-    from attnlab.hf.analysis import stream_analysis
+    from attnlab.hf.analysis.pipeline import stream_analysis
 
     if not isinstance(text, str) or not text.strip():
         raise ValueError("text must be a non-empty str; there is nothing to cut into windows")
@@ -53,8 +53,8 @@ def window_flow(
     """Attention flow (:func:`attnlab.flow.attention_flow`) of one window of ``text`` under ``variant``:
     -> (flow (n_outputs, N), the window). The size limit is checked before the model runs."""
     from attnlab import flow
-    from attnlab.hf.analysis import stream_analysis
-    from attnlab.hf.loading import model_on
+    from attnlab.hf.analysis.pipeline import stream_analysis
+    from attnlab.hf.load.loading import model_on
 
     loaded = model_on(model, None)
     win = text_window(loaded, text, window_index, window=window, overlap=overlap)

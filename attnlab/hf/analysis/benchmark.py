@@ -11,9 +11,9 @@ import time
 
 import torch
 
-from attnlab.hf.analysis import analyze
-from attnlab.hf.loading import LoadedModel, load_model
-from attnlab.hf.windows import special_affixes, tokenize_text
+from attnlab.hf.analysis.pipeline import analyze
+from attnlab.hf.capture.windows import special_affixes, tokenize_text
+from attnlab.hf.load.loading import LoadedModel, load_model
 
 __all__ = ["benchmark_analysis"]
 

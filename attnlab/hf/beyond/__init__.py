@@ -1,0 +1,1 @@
+"""Beyond weights: interventions (one-head swaps) and faithfulness of token-importance measures."""

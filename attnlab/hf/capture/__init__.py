@@ -1,0 +1,1 @@
+"""Capture: what a forward pass records (q, k, masks, values) and how text becomes windows."""
