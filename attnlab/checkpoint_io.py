@@ -4,6 +4,8 @@
     read_checkpoint(dir) -> (config, state)  JSON and safetensors only (nothing is ever unpickled)
     resolve_checkpoint(dir)                  a step directory, or the one a run's latest.json names
     is_checkpoint(dir)                       True for an attnlab checkpoint (run or step directory)
+    read_config(step_dir)                    config.json, validated (attnlab.schema) and bounded
+    safetensors_shapes(path)                 {name: shape} from the header alone (nothing loaded)
 
 A checkpoint directory holds ``config.json`` (``{"format": CHECKPOINT_FORMAT, "model": {...}, ...}``)
 and ``model.safetensors``; a training run directory holds step directories and ``latest.json``
@@ -11,7 +13,7 @@ and ``model.safetensors``; a training run directory holds step directories and `
 
 This module knows files, not models: ``attnlab.models.save`` / ``load`` turn a model into tensors and
 back, ``attnlab.data`` saves tokenizers beside them, ``attnlab.train.checkpoint`` adds optimizer state.
-Imports nothing from attnlab, so every layer may use it (the data flow is one way).
+Imports only :mod:`attnlab.schema` from attnlab, so every layer may use it (the data flow is one way).
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
+
+from attnlab.schema import SchemaError, check_checkpoint_config, read_json
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -38,6 +42,9 @@ __all__ = [
     "resolve_checkpoint",
     "is_checkpoint",
     "load_config",
+    "read_config",
+    "safetensors_shapes",
+    "check_weight_shapes",
     "write_checkpoint",
     "read_checkpoint",
 ]
@@ -115,7 +122,7 @@ def resolve_checkpoint(directory: str | os.PathLike) -> Path:
     directory named by its ``latest.json`` (a training run)."""
     d = Path(directory)
     if (d / LATEST_FILE).is_file():
-        latest = json.loads((d / LATEST_FILE).read_text())
+        latest = read_json(d / LATEST_FILE)
         return d / checked_step_name(latest.get("dir") if isinstance(latest, dict) else None, d / LATEST_FILE)
     if (d / WEIGHTS_FILE).is_file() and (d / CONFIG_FILE).is_file():
         return d
@@ -131,15 +138,61 @@ def is_checkpoint(directory: str | os.PathLike) -> bool:
     ``config.json`` declares ``CHECKPOINT_FORMAT``; False for anything else (a Hugging Face directory,
     a missing path, unreadable or malformed files). Reads only small JSON files."""
     try:
-        config = json.loads((resolve_checkpoint(directory) / CONFIG_FILE).read_text())
+        config = read_json(resolve_checkpoint(directory) / CONFIG_FILE)
     except (OSError, ValueError, AttributeError, TypeError):
         return False
     return isinstance(config, dict) and config.get("format") == CHECKPOINT_FORMAT
 
 
 def load_config(directory: str | os.PathLike) -> dict:
-    """The full ``config.json`` of a checkpoint (model, data, train, tokenizer, step)."""
-    return json.loads((resolve_checkpoint(directory) / CONFIG_FILE).read_text())
+    """The full ``config.json`` of a checkpoint (model, data, train, tokenizer, step), validated."""
+    return read_config(resolve_checkpoint(directory))
+
+
+def read_config(step_dir: str | os.PathLike) -> dict:
+    """``config.json`` of a step directory, validated by :func:`attnlab.schema.check_checkpoint_config`
+    (types, ranges, required fields, depth) before anything is built from it; SchemaError (a
+    ValueError) naming the file and the field otherwise."""
+    path = Path(step_dir) / CONFIG_FILE
+    config = read_json(path)
+    if not isinstance(config, dict) or config.get("format") != CHECKPOINT_FORMAT:
+        found = config.get("format") if isinstance(config, dict) else type(config).__name__
+        raise SchemaError(f"{path} is not an attnlab checkpoint (format {found!r}, expected "
+                          f"{CHECKPOINT_FORMAT!r})")
+    return check_checkpoint_config(config, path)
+
+
+def safetensors_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """{tensor name: shape} of a safetensors file, from its header alone (the safetensors library
+    validates the header and the offsets against the file's size; no tensor is read). ValueError
+    naming the file when it is not a valid safetensors file."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+    except SafetensorError as e:  # truncated, random bytes, a pickle renamed
+        raise ValueError(f"{path} is not a valid safetensors file ({e})") from None
+
+
+def check_weight_shapes(path: str | os.PathLike, expected: dict[str, tuple[int, ...]],
+                        config_path: str | os.PathLike) -> None:
+    """The tensors of the safetensors file ``path`` (read from its header) are exactly ``expected``
+    ({name: shape}, what the config in ``config_path`` builds); ValueError naming the first tensor
+    that is missing, unexpected or of another shape."""
+    got = safetensors_shapes(path)
+    missing = [k for k in expected if k not in got]
+    extra = [k for k in got if k not in expected]
+    wrong = [k for k in expected if k in got and tuple(got[k]) != tuple(expected[k])]
+    if missing or extra or wrong:
+        if wrong:
+            k = wrong[0]
+            what = (f"tensor {k} has shape {tuple(got[k])} in the weights, the config builds "
+                    f"{tuple(expected[k])}")
+        elif missing:
+            what = f"{len(missing)} tensors the config builds are missing (e.g. {missing[0]})"
+        else:
+            what = f"{len(extra)} tensors are not built by the config (e.g. {extra[0]})"
+        raise SchemaError(f"{path} does not match {config_path}: {what}; expected the weights the "
+                          "config describes (n_layers, d_model, d_ff, vocab_size, max_len ...)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -167,10 +220,7 @@ def read_checkpoint(directory: str | os.PathLike) -> tuple[dict, dict[str, torch
     checkpoint's or the weights are not a valid safetensors file (truncated, another format).
     """
     step_dir = resolve_checkpoint(directory)
-    config = json.loads((step_dir / CONFIG_FILE).read_text())
-    if not isinstance(config, dict) or config.get("format") != CHECKPOINT_FORMAT:
-        found = config.get("format") if isinstance(config, dict) else type(config).__name__
-        raise ValueError(f"{step_dir / CONFIG_FILE} is not an attnlab checkpoint (format {found!r})")
+    config = read_config(step_dir)
     try:
         state = st_load((step_dir / WEIGHTS_FILE).read_bytes())
     except SafetensorError as e:  # truncated or not a safetensors file; a plain Exception subclass

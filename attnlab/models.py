@@ -34,16 +34,19 @@ from attnlab.checkpoint_io import (  # noqa: F401 -- re-exported: the names' old
     WEIGHTS_FILE,
     atomic_write_bytes,
     atomic_write_json,
+    check_weight_shapes,
     checked_step_name,
     fsync_dir,
     load_config,
     read_checkpoint,
+    read_config,
     resolve_checkpoint,
     write_checkpoint,
 )
 from attnlab.data import IGNORE_INDEX
 from attnlab.modules import AttentionConfig, GAMAttention, GAMConfig, MultiHeadAttention
 from attnlab.normalizers import VARIANTS, check_params
+from attnlab.schema import SchemaError, contained_file
 
 __all__ = [
     "ModelConfig",
@@ -350,8 +353,23 @@ def save(model: TransformerLM, directory: str | os.PathLike, extra_config: dict 
 
 def load(directory: str | os.PathLike, device: str | torch.device = "cpu") -> TransformerLM:
     """Rebuild a model from a checkpoint directory (a run directory or a step directory), in eval
-    mode. Reads JSON and safetensors only."""
-    config, state, _ = read_checkpoint(directory)
-    model = TransformerLM(model_config_from_checkpoint(config["model"]))  # old configs: old GAM default
+    mode. Reads JSON and safetensors only.
+
+    Before anything is allocated, ``config.json`` is validated (``attnlab.schema``: types, the bounds
+    of ``MODEL_LIMITS``, a size estimate) and the shapes in ``model.safetensors``' header are compared
+    with what the config builds (on the meta device); a mismatch is a ValueError naming both files."""
+    step_dir = resolve_checkpoint(directory)
+    config = read_config(step_dir)
+    config_file = step_dir / CONFIG_FILE
+    try:
+        model_config = model_config_from_checkpoint(config["model"])  # old configs: old GAM default
+    except ValueError as e:
+        raise SchemaError(f"{config_file}: {e}") from None
+    with torch.device("meta"):  # shapes only: nothing is allocated
+        expected = {k: tuple(v.shape) for k, v in TransformerLM(model_config).state_dict().items()}
+    weights_file = contained_file(step_dir, WEIGHTS_FILE, config_file)
+    check_weight_shapes(weights_file, expected, config_file)
+    _, state, _ = read_checkpoint(step_dir)
+    model = TransformerLM(model_config)
     model.load_state_dict(state, strict=True)
     return model.to(device).eval()

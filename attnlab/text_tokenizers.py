@@ -8,12 +8,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections import Counter
 from pathlib import Path
 
-from attnlab.checkpoint_io import atomic_write_bytes, resolve_checkpoint
+from attnlab.checkpoint_io import atomic_write_bytes, read_config, resolve_checkpoint
+from attnlab.schema import SchemaError, contained_file
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")  # ids 0..4 in every tokenizer here
 
@@ -166,14 +166,34 @@ def build_tokenizer(kind: str, text: str, vocab_size: int = 4096) -> Tokenizer:
     raise ValueError(f"tokenizer must be 'wordpiece' or 'byte', got {kind!r}")
 
 
+MAX_VOCAB_BYTES = 64_000_000  # a checkpoint's vocab.txt (30,522 WordPiece pieces are ~230 kB)
+
+
 def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
-    """The tokenizer of a checkpoint directory (a run directory or one of its step directories)."""
+    """The tokenizer of a checkpoint directory (a run directory or one of its step directories).
+
+    ``tokenizer.vocab_file`` must name a file inside the step directory (``attnlab.schema``); errors
+    name the files and never quote the vocabulary file's contents."""
     step_dir = resolve_checkpoint(directory)
-    config = json.loads((step_dir / "config.json").read_text())
+    config_file = step_dir / "config.json"
+    config = read_config(step_dir)
     entry = config.get("tokenizer") or {"kind": "byte"}
     if entry["kind"] == "byte":
         return ByteTokenizer()
-    if entry["kind"] == "wordpiece":
-        vocab = (step_dir / entry.get("vocab_file", "vocab.txt")).read_text(encoding="utf-8").splitlines()
-        return WordPieceTokenizer(vocab)
-    raise ValueError(f"unknown tokenizer kind {entry['kind']!r} in {step_dir / 'config.json'}")
+    path = contained_file(step_dir, entry.get("vocab_file", "vocab.txt"), config_file)
+    if path.stat().st_size > MAX_VOCAB_BYTES:
+        raise SchemaError(f"{path} is {path.stat().st_size:,} bytes, over the {MAX_VOCAB_BYTES:,}-byte limit "
+                          "of a WordPiece vocabulary")
+    try:
+        vocab = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise SchemaError(f"{path} is not UTF-8 text (byte {e.start}); expected a WordPiece vocabulary, "
+                          "one piece a line") from None
+    vocab_size = config["model"]["vocab_size"]
+    if len(vocab) != vocab_size:
+        raise SchemaError(f"{path} has {len(vocab):,} lines, expected model.vocab_size={vocab_size:,} pieces "
+                          f"(as {config_file} says)")
+    if tuple(vocab[: len(SPECIAL_TOKENS)]) != SPECIAL_TOKENS or len(set(vocab)) != len(vocab):
+        raise SchemaError(f"{path} is not an attnlab WordPiece vocabulary: expected the special tokens "
+                          f"{SPECIAL_TOKENS} first and no duplicate pieces")
+    return WordPieceTokenizer(vocab)

@@ -259,8 +259,9 @@ def _attnlab_imports(path: Path) -> set[str]:
 
 def test_data_flows_one_way_between_data_models_and_checkpoint_io():
     lib = REPO / "attnlab"
-    assert _attnlab_imports(lib / "checkpoint_io.py") == set()
-    assert _attnlab_imports(lib / "text_tokenizers.py") == {"attnlab.checkpoint_io"}
+    assert _attnlab_imports(lib / "schema.py") == set()  # the validated JSON schemas: the bottom layer
+    assert _attnlab_imports(lib / "checkpoint_io.py") == {"attnlab.schema"}
+    assert _attnlab_imports(lib / "text_tokenizers.py") == {"attnlab.checkpoint_io", "attnlab.schema"}
     assert _attnlab_imports(lib / "data.py") == {"attnlab.text_tokenizers"}
     assert "attnlab.data" in _attnlab_imports(lib / "models.py")
     # the old import names keep working

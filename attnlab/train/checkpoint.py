@@ -33,6 +33,7 @@ from attnlab.checkpoint_io import (
     fsync_dir,
 )
 from attnlab.models import save
+from attnlab.schema import Field, SchemaError, check_fields, check_trainer_state, loads, read_json
 
 __all__ = ["save_checkpoint", "read_latest", "load_optimizer_state", "load_trainer_state",
            "optimizer_tensors", "clean_temporary", "CheckpointError"]
@@ -68,26 +69,46 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, step_dir: Path) -> No
             f"{path} is missing: this checkpoint was saved without optimizer state (train.keep_optimizer="
             "false) and cannot be resumed exactly"
         )
-    with open(path, "rb") as f:
-        data = f.read()
-    from safetensors import safe_open  # metadata only
+    from safetensors import SafetensorError, safe_open  # metadata only
 
-    with safe_open(str(path), framework="pt") as f:
-        meta = json.loads(f.metadata()["optimizer"])
-    tensors = st_load(data)
-    state: dict[int, dict] = {}
-    for name, t in tensors.items():
-        _, idx, key = name.split(".", 2)
-        state.setdefault(int(idx), {})[key] = t
-    device = optimizer.param_groups[0]["params"][0].device
-    for st in state.values():
-        for key, t in st.items():
-            st[key] = t if key == "step" else t.to(device)
-    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = loads((f.metadata() or {}).get("optimizer", "null"), f"{path} (metadata 'optimizer')")
+        groups = meta.get("param_groups") if isinstance(meta, dict) else None
+        if not isinstance(groups, list) or len(groups) != len(optimizer.param_groups):
+            raise SchemaError(f"{path}: metadata 'optimizer' must hold param_groups, one per parameter group "
+                              f"({len(optimizer.param_groups)}), got {type(groups).__name__}")
+        tensors = st_load(path.read_bytes())
+        state: dict[int, dict] = {}
+        n_params = sum(len(g["params"]) for g in optimizer.param_groups)
+        for name, t in tensors.items():
+            parts = name.split(".", 2)
+            if len(parts) != 3 or parts[0] != "state" or not parts[1].isdigit() or int(parts[1]) >= n_params:
+                raise SchemaError(f"{path}: tensor names must be state.<parameter index < {n_params}>.<key>, "
+                                  f"got {name[:60]!r}")
+            state.setdefault(int(parts[1]), {})[parts[2]] = t
+        device = optimizer.param_groups[0]["params"][0].device
+        for st in state.values():
+            for key, t in st.items():
+                st[key] = t if key == "step" else t.to(device)
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+    except SafetensorError as e:
+        raise CheckpointError(f"{path} is not a valid safetensors file ({e}); the run cannot be resumed "
+                              "exactly") from None
+    except (SchemaError, KeyError, TypeError, ValueError) as e:  # torch's checks of a crafted state
+        brief = " ".join(str(e).split())[:200]
+        raise CheckpointError(f"{path} does not fit this run's optimizer ({e.__class__.__name__}: {brief}); "
+                              "the run cannot be resumed exactly") from None
 
 
-def load_trainer_state(step_dir: Path) -> dict:
-    return json.loads((Path(step_dir) / STATE_FILE).read_text())
+def load_trainer_state(step_dir: Path, step: int | None = None) -> dict:
+    """``trainer_state.json`` of a checkpoint, validated (:func:`attnlab.schema.check_trainer_state`:
+    step >= 0 and equal to ``step`` when given, data position, counts); CheckpointError otherwise."""
+    path = Path(step_dir) / STATE_FILE
+    try:
+        return check_trainer_state(read_json(path), path, step)
+    except SchemaError as e:
+        raise CheckpointError(f"{e}; the run cannot be resumed from this checkpoint") from None
 
 
 def read_latest(run_dir: Path) -> dict | None:
@@ -95,9 +116,9 @@ def read_latest(run_dir: Path) -> dict | None:
     p = Path(run_dir) / LATEST_FILE
     if not p.is_file():
         return None
-    latest = json.loads(p.read_text())
     try:
-        checked_step_name(latest.get("dir") if isinstance(latest, dict) else None, p)
+        latest = check_fields(read_json(p), {"step": Field("int", low=0), "dir": Field("str")}, p)
+        checked_step_name(latest["dir"], p)
     except ValueError as e:
         raise CheckpointError(str(e)) from None
     if not (Path(run_dir) / latest["dir"]).is_dir():

@@ -144,7 +144,7 @@ def train(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = False
         fingerprint = corpus_fingerprint(corpus)
         if latest is not None:
             step_dir = run_dir / latest["dir"]
-            state = load_trainer_state(step_dir)
+            state = load_trainer_state(step_dir, latest["step"])
             if state.get("corpus_sha256") != fingerprint:
                 raise ValueError(f"--resume: the corpus differs from the one {run_dir} was trained on "
                                  f"(sha256 {fingerprint[:12]} != {str(state.get('corpus_sha256'))[:12]})")

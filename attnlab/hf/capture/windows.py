@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import re
 import unicodedata
 import weakref
@@ -19,7 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["TokenizedText", "Windowing", "Window", "tokenize_text", "plan_windows", "iter_windows"]
+__all__ = ["TokenizedText", "Windowing", "Window", "tokenize_text", "plan_windows", "iter_windows",
+           "tokenizer_source", "check_token_ids"]
 
 CHUNK_CHARS = 200_000  # characters tokenized at once
 MAX_DEFAULT_WINDOW = 512  # default cap on the window (weights are L x H x N^2 per variant)
@@ -82,17 +84,57 @@ def _chunks(text: str, size: int) -> Iterator[tuple[int, str]]:
         start = stop
 
 
+def tokenizer_source(tokenizer) -> str:
+    """The file a tokenizer was read from, for messages: a native checkpoint's vocabulary, a Hugging
+    Face directory's tokenizer.json (or the directory), else the tokenizer's class."""
+    path = getattr(tokenizer, "source", None) or getattr(tokenizer, "name_or_path", None)
+    if not path:
+        return f"the {type(tokenizer).__name__} tokenizer"
+    file = os.path.join(path, "tokenizer.json")
+    return file if os.path.isfile(file) else path
+
+
+def _encode(tokenizer, piece: str, offset: int, **kwargs):
+    """``tokenizer(piece, **kwargs)``; a worded ValueError when the tokenizer fails on it: text it cannot
+    encode (a lone surrogate), or a panic of the Rust tokenizers library (a BaseException)."""
+    try:
+        return tokenizer(piece, add_special_tokens=False, verbose=False, **kwargs)
+    except (TypeError, UnicodeEncodeError):
+        bad = next((i for i, ch in enumerate(piece) if 0xD800 <= ord(ch) <= 0xDFFF), None)
+        if bad is None:
+            raise
+        raise ValueError(f"text has a lone surrogate U+{ord(piece[bad]):04X} at character {offset + bad}, "
+                         f"which {tokenizer_source(tokenizer)} cannot encode; expected valid Unicode text "
+                         "(decode files with errors='replace')") from None
+    except BaseException as e:  # pyo3's PanicException derives from BaseException, not Exception
+        if type(e).__name__ != "PanicException":
+            raise
+        raise ValueError(f"the tokenizer {tokenizer_source(tokenizer)} failed on the text near character "
+                         f"{offset} (a panic in the tokenizers library: {str(e)[:120]}); expected a "
+                         "tokenizer that can encode any text") from None
+
+
+def check_token_ids(tokenized: TokenizedText, extra_ids, n_embeddings: int, tokenizer) -> None:
+    """ValueError naming the tokenizer file when it gave an id beyond the model's ``n_embeddings``
+    embedding rows (the forward would fail with IndexError): a tokenizer of another model."""
+    top = max(int(tokenized.ids.max()) if len(tokenized) else -1, max(extra_ids, default=-1))
+    if top >= n_embeddings:
+        raise ValueError(f"the tokenizer {tokenizer_source(tokenizer)} gave token id {top}, but the model "
+                         f"has {n_embeddings} embedding rows; expected a tokenizer whose ids fit the model "
+                         "(ids < vocab_size)")
+
+
 def tokenize_text(tokenizer, text: str, chunk_chars: int = CHUNK_CHARS) -> TokenizedText:
     """Tokenize without special tokens, with global word ids and character offsets."""
     ids, words, starts, ends = [], [], [], []
     word_base = 0
     for offset, piece in _chunks(text, chunk_chars):
         try:
-            enc = tokenizer(piece, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+            enc = _encode(tokenizer, piece, offset, return_offsets_mapping=True)
             spans = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2) + offset
             w = enc.word_ids()
         except (NotImplementedError, ValueError, AttributeError):  # tokenizers without offsets
-            enc = tokenizer(piece, add_special_tokens=False, verbose=False)
+            enc = _encode(tokenizer, piece, offset)
             spans = np.full((len(enc["input_ids"]), 2), -1, dtype=np.int64)
             w = list(range(len(enc["input_ids"])))
         w = np.asarray([(-1 if x is None else x) for x in w], dtype=np.int64)
@@ -144,8 +186,9 @@ def plan_windows(n_tokens: int, window: int, n_special: int, overlap: int | None
     if content < 2:
         raise ValueError(f"window must leave room for at least 2 text tokens, got window={window}")
     overlap = content // 4 if overlap is None else overlap
-    if not 0 <= overlap < content:
-        raise ValueError(f"overlap must be in [0, {content - 1}] tokens for this window, got {overlap}")
+    if isinstance(overlap, bool) or not isinstance(overlap, int | np.integer) or not 0 <= overlap < content:
+        raise ValueError(f"overlap must be an integer in [0, {content - 1}] tokens for this window, "
+                         f"got {overlap!r}")
     stride = content - overlap
     starts = [0]
     while starts[-1] + content < n_tokens:

@@ -12,7 +12,6 @@ model on a GPU (``resolve_device`` says which devices are accepted).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import threading
@@ -28,7 +27,9 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 
 from attnlab.checkpoint_io import is_checkpoint  # noqa: E402
 from attnlab.hf.capture.interface import UnsupportedModelError, capture_qk  # noqa: E402
+from attnlab.hf.load.bounds import check_config_bounds  # noqa: E402
 from attnlab.hf.load.model_info import LoadedModel, ModelInfo, ModelLoadError, resolve_device  # noqa: E402
+from attnlab.schema import SchemaError, read_json  # noqa: E402
 
 __all__ = [
     "ModelLoadError",
@@ -123,8 +124,10 @@ def clear_model_cache() -> None:
 
 def _read_json(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        data = read_json(path)
+    except SchemaError as e:
+        raise ModelLoadError(f"{path} is not a readable JSON file ({e})") from None
+    except OSError as e:
         raise ModelLoadError(f"{path} is not a readable JSON file ({e.__class__.__name__})") from None
     if not isinstance(data, dict):
         raise ModelLoadError(f"{path} does not hold a JSON object")
@@ -167,6 +170,7 @@ def _check_directory(directory: Path) -> dict:
                 "environment: AutoModel.from_pretrained(dir).save_pretrained(dir) writes model.safetensors"
             )
         raise ModelLoadError(f"the model in {directory} has no weights file (model.safetensors)")
+    check_config_bounds(config, directory)  # before transformers builds anything from it
     return config
 
 

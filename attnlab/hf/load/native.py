@@ -130,7 +130,8 @@ def _load(directory: Path, step_dir: Path, device: torch.device) -> NativeModel:
         causal=cfg.kind == "decoder",
         embedded=False,
     )
-    return NativeModel(model=model, tokenizer=NativeTokenizer(tokenizer, info.causal), info=info,
+    vocab = step_dir / "vocab.txt" if tokenizer.kind == "wordpiece" else step_dir / "config.json"
+    return NativeModel(model=model, tokenizer=NativeTokenizer(tokenizer, info.causal, str(vocab)), info=info,
                        step_dir=str(step_dir))
 
 

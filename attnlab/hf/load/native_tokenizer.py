@@ -27,8 +27,9 @@ class NativeTokenizer:
     tokenizer that the windowing needs: ``tok(text, add_special_tokens=..., return_offsets_mapping=...)``
     and ``convert_ids_to_tokens``. Encoders get [CLS] ... [SEP], as in training; decoders nothing."""
 
-    def __init__(self, base, causal: bool):
+    def __init__(self, base, causal: bool, source: str | None = None):
         self.base = base  # attnlab.data.WordPieceTokenizer or ByteTokenizer
+        self.source = source  # the checkpoint file it was read from (named in errors)
         self.prefix = [] if causal else [base.cls_id]
         self.suffix = [] if causal else [base.sep_id]
         self.model_max_length = None
