@@ -63,7 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--window",
         type=int,
         default=None,
-        help="tokens per window incl. special tokens (default: the model's max length, at most 512)",
+        help="tokens per window incl. special tokens (default: a causal model's whole context up to its "
+        "maximum positions; otherwise the model's max length, at most 512)",
     )
     add(
         "--overlap",

@@ -87,7 +87,22 @@ TINY_CONFIGS = {
         "LlamaConfig",
         dict(**_LAYERS, num_key_value_heads=2, max_position_embeddings=_P, bos_token_id=0),
     ),
+    # sliding-window attention (8 keys) with grouped-query heads; not in TINY_ARCHS (tests name them)
+    "mistral": (
+        "MistralConfig",
+        dict(**_LAYERS, num_key_value_heads=2, max_position_embeddings=_P, bos_token_id=0, sliding_window=8),
+    ),
+    # logit softcapping, sliding layers alternating with global ones, head_dim != hidden / heads
+    "gemma2": (
+        "Gemma2Config",
+        dict(**_LAYERS, num_key_value_heads=2, max_position_embeddings=_P, bos_token_id=0, head_dim=16,
+             sliding_window=8, attn_logit_softcapping=2.0, final_logit_softcapping=None,
+             query_pre_attn_scalar=16),
+    ),
 }
+# the BPE tokenizer style of each arch (_bpe_tokenizer's kinds)
+_TOKENIZER_KIND = {"gpt2": "gpt2", "roberta": "roberta", "llama": "llama", "mistral": "llama",
+                   "gemma2": "llama"}
 
 
 def _config(arch: str, vocab_size: int):
@@ -108,7 +123,7 @@ def build_tiny_model(arch: str, directory, seed: int = 0):
         tokenizer = AutoTokenizer.from_pretrained(default_model_path(), local_files_only=True)
         tokenizer.model_max_length = TINY_POSITIONS
     else:
-        tokenizer = _bpe_tokenizer("gpt2" if arch == "gpt2" else arch)
+        tokenizer = _bpe_tokenizer(_TOKENIZER_KIND[arch])
     torch.manual_seed(seed)
     model = AutoModel.from_config(_config(arch, len(tokenizer)))
     model.save_pretrained(directory)

@@ -175,6 +175,19 @@ def _causal_notes(model_name: str, variants: Sequence[str], given: dict) -> list
     return notes
 
 
+def _windowing_note(info: ModelInfo, windowing: Windowing, given: int | None) -> str:
+    """Which windowing a causal model's analysis uses, in words (the CLI prints it, the app shows it)."""
+    n = windowing.n_tokens
+    if windowing.n_windows == 1:
+        how = "the window given" if given is not None else "the whole context, as the model reads it"
+        return f"{info.name} is causal: the text's {n:,} tokens are analysed in one window ({how})"
+    why = (f"the window given ({windowing.window:,} tokens)" if given is not None
+           else f"longer than the model's {info.max_length:,} positions")
+    return (f"{info.name} is causal: the text's {n:,} tokens are analysed in {windowing.n_windows} windows "
+            f"of {windowing.window:,} tokens overlapping by {windowing.overlap:,} ({why}); attention at a "
+            "position sees only its own window's earlier tokens")
+
+
 def _same(a, b) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
@@ -220,8 +233,9 @@ def stream_analysis(
             notes.append(f"hnas uses the u per layer and head learned by {info.name}")
     if info.causal:
         notes += _causal_notes(info.name, variants, given)
-    if window is None:
-        window = min(info.max_length, MAX_DEFAULT_WINDOW)
+    given_window = window
+    if window is None:  # causal: the whole context (attention at i depends on every token before it)
+        window = info.max_length if info.causal else min(info.max_length, MAX_DEFAULT_WINDOW)
     elif isinstance(window, bool) or not isinstance(window, int) or not 0 < window <= info.max_length:
         raise ValueError(
             f"window must be an integer in [1, {info.max_length}] for {info.name}, got {window!r}"
@@ -231,6 +245,8 @@ def stream_analysis(
     if len(tokenized) == 0:
         raise ValueError("the text produced no tokens for this tokenizer; there is nothing to analyse")
     windowing = plan_windows(len(tokenized), window, len(prefix) + len(suffix), overlap)
+    if info.causal:
+        notes.append(_windowing_note(info, windowing, given_window))
     return AnalysisStream(
         loaded=loaded,
         text=text,
@@ -276,7 +292,9 @@ def analyze(
         iters: Sinkhorn rounds (default 3; a causal model uses 1 unless given, with a note in
             ``.notes``, and refuses iters > 1).
         **params: any other registered variant parameter (e.g. ``tol`` for Sinkhorn).
-        window: tokens per window, special tokens included; default min(model max length, 512).
+        window: tokens per window, special tokens included; default: a causal model's whole context
+            (its maximum positions: windows only beyond that, with a note), otherwise min(model max
+            length, 512).
         overlap: text tokens shared by consecutive windows; default a quarter of a window.
         progress: show a tqdm bar over windows.
         device: where the model runs: None (the loaded model's device; the CPU when ``model`` is None

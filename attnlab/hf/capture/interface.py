@@ -35,6 +35,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from attnlab.hf.capture.softcap import softcapped_attention
 from attnlab.normalizers import VARIANTS, attend, check_param, check_variant, parameter_names, variant_spec
 from attnlab.normalizers.checks import check_head_shape
 
@@ -84,10 +85,18 @@ class CapturedLayer:
     """One self-attention call as seen by ``attnlab_capture``."""
 
     query: torch.Tensor  # (B, H, M, D), after projection and rotary embedding
-    key: torch.Tensor  # (B, H, N, D), grouped kv heads repeated to H
+    key_heads: torch.Tensor  # (B, H_kv, N, D): grouped kv heads as the layer has them (not repeated)
     mask: torch.Tensor | None  # bool, broadcastable to (B, H, M, N); True = may attend
     scaling: float  # score scale used by the layer
     causal: bool  # the layer is causal (the mask, when given, already contains j <= i)
+    softcap: float | None = None  # logits -> softcap * tanh(logits / softcap) before masking (Gemma 2)
+    sliding_window: int | None = None  # the layer's window (the mask, when given, already has it)
+
+    @property
+    def key(self) -> torch.Tensor:
+        """(B, H, N, D): the key heads repeated to the H query heads (a copy for grouped-query layers)."""
+        n_rep = self.query.shape[1] // self.key_heads.shape[1]
+        return self.key_heads if n_rep == 1 else repeat_kv(self.key_heads, n_rep)
 
 
 @dataclass
@@ -241,27 +250,33 @@ def _capture_attention(module, query, key, value, attention_mask, scaling=None, 
     run = _ACTIVE.get()
     if run is not None and run.capture is not None:
         n_rep = getattr(module, "num_key_value_groups", 1)
-        keys = repeat_kv(key, n_rep)  # (B, H, N, D)
         scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
         causal = _is_causal(module, kwargs)
+        softcap = kwargs.get("softcap")
+        window = kwargs.get("sliding_window")
         run.capture.append(
             CapturedLayer(
                 query=query.detach(),
-                key=keys.detach(),
-                mask=to_bool_mask(attention_mask, keys.shape[-2]),
+                key_heads=key.detach(),  # (B, H_kv, N, D): repeated only where a consumer needs it
+                mask=to_bool_mask(attention_mask, key.shape[-2]),
                 scaling=scale,
                 causal=causal,
+                softcap=None if softcap is None else float(softcap),
+                sliding_window=None if window is None else int(window),
             )
         )
         last = run.stop_after is not None and len(run.capture) >= run.stop_after
         out = None
         if run.layer_hook is not None:
-            out = run.layer_hook(len(run.capture) - 1, query, keys, repeat_kv(value, n_rep),
+            out = run.layer_hook(len(run.capture) - 1, query, repeat_kv(key, n_rep), repeat_kv(value, n_rep),
                                  run.capture[-1].mask, scale, dropout, module.training, causal, last, kwargs)
         if last:
             raise _CaptureComplete  # nothing after the last q and k is needed
         if out is not None:
             return out, None
+        if softcap is not None:  # SDPA refuses a softcap: the model's eager math, in tiles of rows
+            c = run.capture[-1]
+            return softcapped_attention(query, key, value, c.mask, scale, c.softcap, causal, window), None
     kwargs.pop("output_attentions", None)  # SDPA returns no weights; the analysis recomputes them
     return sdpa_attention_forward(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs

@@ -3,7 +3,8 @@ through the analysis kernel as the layer runs, and the kernel's unas output soft
 exponentials, takes the place of the model's own (SDPA) attention, which would compute them again.
 
 :class:`LayerwiseAnalysis` is the ``layer_hook`` of :func:`attnlab.hf.capture.interface.capture_qk`.
-attnlab/hf/compute/weights.py sets it up for every recompute-mode forward of one unpadded window of a bidirectional model
+attnlab/hf/compute/weights.py sets it up for every recompute-mode forward of one unpadded window of a
+bidirectional model
 on the CPU with the kernel built, whatever the variants and whether statistics are asked for, so that
 the captured q and k (and every weight computed from them) do not depend on either. With row sums
 wanted it fills those of :func:`attnlab.hf.compute.fused_sums.variants_with_sums` layer by layer (the same

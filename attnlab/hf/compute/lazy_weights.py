@@ -174,7 +174,7 @@ def batch_item(weights: dict, b: int) -> dict:
     """{variant: (L, B, H, N, N)} -> {variant: (L, H, N, N)} of batch item ``b``; lazy stays lazy."""
     if isinstance(weights, LazyWeights):
         return weights.mapped(lambda t: t[:, b])
-    return {v: w[:, b] for v, w in weights.items()}
+    return {v: w if getattr(w, "streamed_window", False) else w[:, b] for v, w in weights.items()}
 
 
 def fingerprint(weights: dict) -> tuple:
@@ -183,4 +183,5 @@ def fingerprint(weights: dict) -> tuple:
     is computed."""
     if isinstance(weights, LazyWeights):
         return weights.fingerprint()
-    return tuple((name, id(w), w._version, tuple(w.shape), w.dtype) for name, w in weights.items())
+    return tuple((name, id(w), 0 if getattr(w, "streamed_window", False) else w._version, tuple(w.shape),
+                  w.dtype) for name, w in weights.items())

@@ -26,8 +26,9 @@ from typing import Any
 import torch
 
 from attnlab.hf.capture.interface import CapturedLayer, capture_qk, check_settings, use_variant
-from attnlab.hf.compute import fused_sums
+from attnlab.hf.compute import fused_sums, streamed
 from attnlab.hf.compute.fused_sums import ROW_SUMS  # noqa: F401  (re-exported)
+from attnlab.hf.compute.head_maps import HeadMaps
 from attnlab.hf.compute.layers import (  # noqa: F401  (re-exported)
     KERNEL_VARIANTS,
     LINEAR_SPAN_MAX,
@@ -165,6 +166,8 @@ def _recompute_with_sums(loaded, input_ids, attention_mask, variants, given, spe
     first = captured[0].query  # (B, H, N, D)
     scale = [c.scaling for c in captured]
     params = {v: check_params(v, given, causal=causal) for v in variants}
+    if streamed_window(captured, valid) and (specials is not None or lazy):  # bounded memory, per head
+        return _streamed(captured, variants, params, specials)
     masks = [_layer_mask(c, valid) for c in captured]
     plan = None if causal or any(m is not None for m in masks) else _fused_plan(variants, params)
     if plan is not None:  # every variant from one score matrix per layer, in its slot
@@ -188,6 +191,9 @@ def _recompute_with_sums(loaded, input_ids, attention_mask, variants, given, spe
     mask = torch.stack([everything if m is None else m for m in masks])  # (L, B, 1, N, N)
     scale_l = torch.tensor(scale, dtype=q.dtype, device=q.device).reshape(-1, 1, 1, 1, 1)
     scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale_l)  # (L, B, H, N, N)
+    for layer, c in enumerate(captured):
+        if c.softcap is not None:  # Gemma 2: s -> cap * tanh(s / cap), before every variant's normalizer
+            scores[layer].div_(c.softcap).tanh_().mul_(c.softcap)
     per_head = {name: _u_per_layer(value, len(captured), q.shape[2], q.device)
                 for name, value in given.items() if isinstance(value, torch.Tensor)}
     weights = {  # (L, B, H, N, N) each: the generic materialized path, every registered variant
@@ -197,6 +203,39 @@ def _recompute_with_sums(loaded, input_ids, attention_mask, variants, given, spe
         for variant in variants
     }
     return weights, None
+
+
+def streamed_window(captured, valid) -> bool:
+    """Whether one window takes the streamed analysis (attnlab/hf/compute/streamed.py): B = 1 and some
+    layer masks (causal, sliding window, a mask) or softcaps; unmasked bidirectional windows keep the
+    fused analysis."""
+    if valid.shape[0] != 1 or not bool(valid.all()):
+        return False
+    return any(c.causal or c.mask is not None or c.softcap is not None for c in captured)
+
+
+def layer_inputs(captured) -> list[streamed.LayerInputs]:
+    """One window's captured layers as the streamed analysis' inputs (batch item 0)."""
+    out = []
+    for c in captured:
+        mask = None if c.mask is None or bool(c.mask.all()) else c.mask[0]
+        out.append(streamed.LayerInputs(query=c.query[0], key=c.key_heads[0], mask=mask, causal=c.causal,
+                                        scale=c.scaling, softcap=c.softcap, sliding_window=c.sliding_window))
+    return out
+
+
+def _streamed(captured, variants, params, specials):
+    """(weights {variant: HeadMaps (L, H, N, N), per head on access}, row sums or None) of one window,
+    streamed: no layer's (H, N, N) is held (docs/ANALYSIS.md §8)."""
+    inputs = layer_inputs(captured)
+    L, (H, N, _) = len(inputs), inputs[0].query.shape
+    sums = None if specials is None else streamed.stream_sums(inputs, variants, params, specials)
+
+    def head(variant):
+        return lambda layer, h: streamed.head_weights(inputs[layer], layer, h, variant, params)
+
+    weights = {v: HeadMaps(v, (L, H, N, N), head(v)) for v in variants}
+    return weights, sums
 
 
 def _swap(loaded: LoadedModel, input_ids, attention_mask, variants, given) -> dict[str, torch.Tensor]:
@@ -281,6 +320,10 @@ def window_weights_and_sums(loaded: LoadedModel, input_ids, variants, mode, give
             weights, sums = _swap(loaded, ids, ones, variants, given), None
         else:
             weights, sums = _recompute_with_sums(loaded, ids, ones, variants, given, specials, lazy=True)
+        if any(isinstance(w, HeadMaps) for w in weights.values()):  # streamed: sums where the model ran
+            on_cpu = None if sums is None else {
+                v: {k: None if t is None else t.cpu() for k, t in raw.items()} for v, raw in sums.items()}
+            return weights, on_cpu
         if dev.type == "cpu" or specials is None:
             return weights, sums
         sums = _row_sums_of(weights, specials)

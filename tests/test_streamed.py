@@ -1,0 +1,212 @@
+"""The streamed analysis of masked windows (attnlab/hf/compute/streamed.py) against the materialized
+reference: every variant's row sums and per-head weights for causal, sliding-window, softcapped,
+grouped-query, masked and padded layers, and through hf.analyze on tiny causal models. Seeded, offline."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnlab
+from attnlab.hf.compute import streamed
+from attnlab.hf.compute.head_maps import HeadMaps
+from attnlab.normalizers import check_params
+from attnlab.stats.engine import row_sums_dict
+
+ALL = ("unas", "dnas", "hnas", "sinkhorn", "sparsemax", "softmax1")
+
+
+def _layer(seed=0, H=4, Hkv=2, N=37, D=8, causal=True, mask=None, softcap=None, window=None, scale=0.5):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(H, N, D, generator=g) * 2
+    k = torch.randn(Hkv, N, D, generator=g) * 2
+    return streamed.LayerInputs(query=q, key=k, mask=mask, causal=causal, scale=scale, softcap=softcap,
+                                sliding_window=window)
+
+
+def _reference(inputs: streamed.LayerInputs, variant, params):
+    """(H, N, N) by attnlab.attention_weights on the whole materialized score matrix."""
+    R = inputs.group
+    k = inputs.key.repeat_interleave(R, 0)  # (H, N, D)
+    s = inputs.query @ k.transpose(-1, -2) * inputs.scale
+    if inputs.softcap is not None:
+        s = inputs.softcap * torch.tanh(s / inputs.softcap)
+    N = s.shape[-1]
+    i, j = torch.arange(N)[:, None], torch.arange(N)[None, :]
+    allowed = torch.ones(N, N, dtype=torch.bool)
+    if inputs.mask is not None:
+        allowed = inputs.mask.expand(N, N).clone()
+    else:
+        if inputs.causal:
+            allowed &= j <= i
+        if inputs.sliding_window:
+            allowed &= i - j < inputs.sliding_window
+    return attnlab.attention_weights(s[None], variant, mask=allowed[None, None], causal=inputs.causal,
+                                     **params)[0]
+
+
+def _check(inputs_list, variants, given, specials, atol=2e-5):
+    causal = any(x.causal for x in inputs_list)
+    params = {v: check_params(v, given, causal=causal) for v in variants}
+    got = streamed.stream_sums(inputs_list, variants, params, specials)
+    N = inputs_list[0].key.shape[1]
+    pos = torch.arange(N, dtype=torch.float32)
+    dist = (pos[:, None] - pos[None, :]).abs()
+    spec = torch.stack([m.float() for m in specials], -1)
+    refs = {v: torch.cat([_reference(x, v, {**params[v], **({"u": _u(params[v], li)} if v == "hnas" else {})})
+                          for li, x in enumerate(inputs_list)])
+            for v in variants}
+    for v in variants:
+        reference = refs["unas"] if v != "unas" and "unas" in variants else None
+        want = row_sums_dict(refs[v], spec, dist, reference)
+        for name, t in want.items():
+            if t is None:
+                assert got[v][name] is None, (v, name)
+                continue
+            gap = (got[v][name] - t).abs().max()
+            assert torch.allclose(got[v][name], t, atol=atol, rtol=1e-4), (v, name, gap)
+    return params, refs
+
+
+def _u(p, layer):
+    u = p["u"]
+    if isinstance(u, torch.Tensor):
+        return u[layer][None, :, None, None]
+    return u
+
+
+@pytest.mark.parametrize("case", ["causal", "sliding", "softcap", "mqa", "mha", "bidirectional_mask",
+                                  "bidirectional_sliding", "padded_queries"])
+def test_streamed_sums_equal_the_materialized_reference(case, monkeypatch):
+    monkeypatch.setattr(streamed, "TILE_BYTES", 4 * 4 * 37 * 9)  # tiles of 16 rows: several per head
+    N = 37
+    kw = {}
+    if case == "sliding":
+        kw = dict(window=7)
+    elif case == "softcap":
+        kw = dict(softcap=3.0, window=11, scale=2.0)
+    elif case == "mqa":
+        kw = dict(Hkv=1)
+    elif case == "mha":
+        kw = dict(Hkv=4)
+    elif case == "bidirectional_mask":
+        g = torch.Generator().manual_seed(3)
+        kw = dict(causal=False, mask=torch.rand(N, N, generator=g) > 0.3)
+    elif case == "bidirectional_sliding":
+        i, j = torch.arange(N)[:, None], torch.arange(N)[None, :]
+        kw = dict(causal=False, mask=(i - j).abs() < 5)
+    elif case == "padded_queries":  # the last 6 tokens are padding: neither keys nor queries
+        valid = torch.arange(N) < N - 6
+        i, j = torch.arange(N)[:, None], torch.arange(N)[None, :]
+        kw = dict(mask=(j <= i) & valid[None, :] & valid[:, None])
+    layers = [_layer(seed=s, **kw) for s in range(2)]
+    variants = ALL if layers[0].causal else ALL
+    given = {"u": torch.tensor([[0.0, 0.25, 0.5, 1.0], [0.9, 0.1, 0.3, 0.7]])}
+    special = torch.zeros(N, dtype=torch.bool)
+    special[[0, 5]] = True
+    _check(layers, variants, given, [special, ~special])
+
+
+def test_sinkhorn_rounds_and_plugins_stream_one_head_at_a_time(monkeypatch):
+    """Bidirectional masked Sinkhorn(3) and a registered plugin take the per-head reference path."""
+    def tempered(logits, ctx):
+        return torch.softmax(logits / ctx.t, dim=-1).nan_to_num(0.0)
+
+    attnlab.register_variant("tempered_stream_test", tempered, replace=True,
+                             params=(attnlab.Param("t", float, 2.0, 0.01, 100.0, "temperature"),))
+    N = 29
+    g = torch.Generator().manual_seed(5)
+    mask = torch.rand(N, N, generator=g) > 0.2
+    layers = [_layer(seed=s, N=N, causal=False, mask=mask) for s in range(2)]
+    assert streamed.stream_rule("sinkhorn", {"iters": 3, "tol": 0.0}, False) == "head"
+    assert streamed.stream_rule("tempered_stream_test", {"t": 2.0}, True) == "head"
+    special = torch.zeros(N, dtype=torch.bool)
+    special[0] = True
+    _check(layers, ("unas", "sinkhorn", "tempered_stream_test"), {"iters": 3, "t": 3.0}, [special])
+
+
+@pytest.mark.parametrize("variant", ALL)
+def test_head_weights_equal_the_reference(variant, monkeypatch):
+    monkeypatch.setattr(streamed, "TILE_BYTES", 4 * 4 * 37 * 9)
+    inputs = _layer(seed=2, window=9, softcap=5.0)
+    params = {variant: check_params(variant, {"u": 0.3}, causal=True)}
+    ref = _reference(inputs, variant, params[variant])
+    for h in range(4):
+        assert torch.allclose(streamed.head_weights(inputs, 0, h, variant, params), ref[h], atol=2e-6)
+
+
+def test_head_maps_compute_one_head_on_access_and_refuse_huge_materialization(monkeypatch):
+    calls = []
+
+    def head(layer, h):
+        calls.append((layer, h))
+        return torch.full((5, 5), float(layer * 10 + h))
+
+    maps = HeadMaps("dnas", (3, 2, 5, 5), head)
+    assert maps[1, 0][0, 0].item() == 10.0 and calls == [(1, 0)]
+    assert maps[-1, -1].shape == (5, 5) and calls[-1] == (2, 1)
+    assert maps[2].shape == (2, 5, 5)
+    assert maps[0, 1, 2].shape == (5,)
+    with pytest.raises(ValueError, match="layer must be an integer in \\[-3, 2\\], got 3"):
+        maps[3, 0]
+    with pytest.raises(ValueError, match="head"):
+        maps[0, 2.5]
+    assert torch.equal(maps.sum(-1)[1, 1], torch.full((5,), 55.0))  # a tensor method: the whole, kept
+    assert torch.stack([maps, maps]).shape == (2, 3, 2, 5, 5)
+    from attnlab.hf.compute import head_maps
+
+    monkeypatch.setattr(head_maps, "MATERIALIZE_LIMIT", 100)
+    big = HeadMaps("unas", (3, 2, 5, 5), head)
+    with pytest.raises(ValueError, match="over the 0 MiB limit .* Read one head"):
+        big.sum()
+    assert big[0, 0].shape == (5, 5)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_analyze_on_causal_models_streams_and_matches_the_materialized_table(arch, tiny_model_dir,
+                                                                             english_text):
+    from attnlab import hf, stats
+
+    loaded = hf.load_model(tiny_model_dir(arch))
+    res = hf.analyze(english_text[:300], loaded, variants=ALL, u=0.3)
+    win = res.windows[0]
+    assert all(isinstance(w, HeadMaps) for w in win.weights.values())
+    ids = torch.tensor([win.window.input_ids])
+    ref = hf.batch_weights(loaded, ids, variants=ALL, u=0.3)  # materialized (L, 1, H, N, N)
+    for v in ALL:
+        L, _, H, N, _ = ref[v].shape
+        for layer in range(L):
+            assert torch.allclose(win.weights[v][layer], ref[v][layer, 0], atol=1e-5), v
+    special = win.special | win.punctuation
+    want = stats.tidy_table({v: ref[v][:, 0] for v in ALL}, special=special, u=0.3)
+    got = win.table().drop(columns="window")
+    keys = ["variant", "layer", "head", "statistic"]
+    both = got.merge(want, on=keys, suffixes=("", "_ref"))
+    assert len(both) == len(want) == len(got)
+    diff = (both.value - both.value_ref).abs()
+    assert bool((diff.fillna(0) <= 1e-4).all()), both[diff > 1e-4].head()
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma2"])
+def test_sliding_window_and_softcap_models_equal_eager_attention(arch, tiny_model_dir, english_text):
+    """Mistral's sliding window and Gemma 2's softcap with alternating sliding/global layers: the
+    streamed UNAS equals the model's own eager attention, and every variant the materialized path."""
+    from transformers import AutoModel
+
+    from attnlab import hf
+
+    directory = tiny_model_dir(arch)
+    loaded = hf.load_model(directory)
+    res = hf.analyze(english_text[:300], loaded, variants=ALL)
+    win = res.windows[0]
+    ids = torch.tensor([win.window.input_ids])
+    assert ids.shape[1] > 8  # longer than the 8-token window
+    eager = AutoModel.from_pretrained(directory, attn_implementation="eager")
+    with torch.no_grad():
+        attentions = eager(ids, output_attentions=True).attentions
+    for layer, a in enumerate(attentions):
+        assert torch.allclose(win.weights["unas"][layer], a[0], atol=1e-5), layer
+    ref = hf.batch_weights(loaded, ids, variants=ALL)
+    for v in ALL:
+        for layer in range(len(attentions)):
+            assert torch.allclose(win.weights[v][layer], ref[v][layer, 0], atol=1e-5), (v, layer)
