@@ -11,6 +11,9 @@ import importlib
 import os
 import sys
 
+from attnlab.cli_errors import EXIT_BAD_INPUT, error
+from attnlab.schema import check_threads, max_threads
+
 # Idle OpenMP threads that spin slow small torch ops down 10-60x on a shared 2-core machine; read when
 # torch first loads, which happens below (subcommand modules import torch).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -34,6 +37,13 @@ def main(argv: list[str] | None = None) -> int:
         if cmd == name:  # import only the module of the command being run
             importlib.import_module(module).add_arguments(p)
     args = parser.parse_args(argv)
+    threads = getattr(args, "threads", None)
+    if isinstance(threads, int) and threads > max_threads():  # below 1: each command says so itself
+        try:
+            check_threads(threads)
+        except ValueError as e:  # before any thread pool is sized from it
+            error(args.command, e)
+            return EXIT_BAD_INPUT
     return int(importlib.import_module(COMMANDS[args.command][0]).run(args) or 0)
 
 

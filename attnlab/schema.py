@@ -6,6 +6,7 @@
     check_manifest(m, path)               an exported figure's manifest (attnlab-figure/1)
     check_analysis_manifest(m, path)      the manifest.json of an ``attnlab analyze`` output folder
     contained_file(folder, name, source)  a file name read from a checkpoint, kept inside its folder
+    check_threads(n, name)                --threads / train.threads: at most 4 per core (max_threads())
 
 Every number that decides an allocation is bounded here (``MODEL_LIMITS``; docs/TRAINING.md), so a
 crafted file cannot make attnlab build a model of 100,000 layers. Errors are :class:`SchemaError`
@@ -42,6 +43,10 @@ __all__ = [
     "check_manifest",
     "check_analysis_manifest",
     "contained_file",
+    "THREADS_PER_CORE",
+    "MAX_THREADS",
+    "max_threads",
+    "check_threads",
 ]
 
 MAX_JSON_DEPTH = 32  # nesting of objects and arrays (attnlab's own files use at most 5)
@@ -363,3 +368,28 @@ def check_analysis_manifest(m, source) -> dict:
     check_fields(m["input"], {"sha256": Field("str")}, source, "input.")
     return m
 
+
+# ----------------------------------------------------------------------------------------------
+# Thread counts (--threads, train.threads)
+# ----------------------------------------------------------------------------------------------
+
+THREADS_PER_CORE = 4  # --threads / train.threads: at most this many per CPU core ...
+MAX_THREADS = 1024  # ... and never more than this many (each torch thread is an OS thread)
+
+
+def max_threads() -> int:
+    """The most torch CPU threads a command may ask for: 4 per core of this machine (at least 8, so the
+    app's Train page's choices always fit), at most 1,024."""
+    return min(MAX_THREADS, max(8, THREADS_PER_CORE * (os.cpu_count() or 1)))
+
+
+def check_threads(value, name: str = "--threads") -> int | None:
+    """``value`` (None = torch's default) when it is an integer in [1, max_threads()]; else a ValueError
+    naming ``name``, the range and what was given."""
+    if value is None:
+        return None
+    high = max_threads()
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+        raise ValueError(f"{name} must be an integer in [1, {high}] ({THREADS_PER_CORE} per CPU core, at "
+                         f"most {MAX_THREADS}), got {value!r}")
+    return value

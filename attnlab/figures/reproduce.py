@@ -9,7 +9,6 @@ analysed text's sha256, and per source the model (``ModelInfo.as_dict()``) and i
 from __future__ import annotations
 
 import datetime
-import json
 import shlex
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -18,6 +17,7 @@ import numpy as np
 
 from attnlab.figures.bundle import FigureBundle
 from attnlab.figures.kinds import KINDS, MULTI_KINDS, build
+from attnlab.schema import check_analysis_manifest, check_manifest, read_json
 
 __all__ = ["MANIFEST_FORMAT", "analyze_command", "manifest", "reproduce_figure"]
 
@@ -103,43 +103,80 @@ def manifest(
 
 def _load_window(out_dir: Path, window: int) -> tuple[dict[str, np.ndarray], list[str], dict]:
     """Weights {variant: (L, H, N, N)} and tokens of one window from an ``attnlab analyze`` output."""
-    info = json.loads((out_dir / "manifest.json").read_text(encoding="utf-8"))
+    info = check_analysis_manifest(read_json(out_dir / "manifest.json"), out_dir / "manifest.json")
     single = out_dir / "weights.npz"
     path = single if single.is_file() and window == 0 else out_dir / "weights" / f"window_{window:04d}.npz"
     if not path.is_file():
         raise FileNotFoundError(
             f"{out_dir} has no weights for window {window} (run attnlab analyze with --weights all)"
         )
-    with np.load(path, allow_pickle=False) as npz:
-        tokens = [str(t) for t in npz["tokens"]]
-        weights = {k: npz[k] for k in npz.files if k not in ("tokens", "special")}
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            tokens = [str(t) for t in npz["tokens"]]
+            weights = {k: npz[k] for k in npz.files if k not in ("tokens", "special")}
+    except (KeyError, ValueError, OSError, EOFError) as e:  # no tokens, a pickle, not an npz
+        raise ValueError(f"{path} is not the weights of an attnlab analyze window ({e.__class__.__name__}); "
+                         "expected an .npz with 'tokens' and one (L, H, N, N) array per variant") from None
+    bad = [k for k, w in weights.items() if w.ndim != 4 or w.shape[-2:] != (len(tokens), len(tokens))]
+    if bad:
+        raise ValueError(f"{path}: {bad[0]} has shape {weights[bad[0]].shape}, expected (L, H, N, N) with "
+                         f"N = {len(tokens)} tokens")
     return weights, tokens, info
+
+
+def _check_params_fit(params: Mapping, weights: Sequence[Mapping[str, np.ndarray]], source) -> None:
+    """The manifest's variant(s), layer, head and focus exist in the loaded weights (ValueError naming
+    the manifest's field, what the weights hold and what it says)."""
+    one = params.get("variant")
+    chosen = [one] if isinstance(one, str) else list(params.get("variants") or [])
+    for v in chosen:
+        if not any(v in w for w in weights):
+            held = sorted({k for w in weights for k in w})
+            raise ValueError(f"{source}: figure.params names variant {v!r}, expected one of {held} (the "
+                             "variants in the output directories)")
+    first = next(iter(weights[0].values()), None)
+    if first is None:
+        raise ValueError(f"{source}: the output directories hold no weights")
+    L, H, N, _ = first.shape
+    for name, n in (("layer", L), ("head", H), ("focus", N)):
+        value = params.get(name)
+        if value is not None and not 0 <= value < n:
+            raise ValueError(f"{source}: figure.params.{name} must be in [0, {n - 1}] for these weights "
+                             f"({L} layers, {H} heads, {N} tokens), got {value}")
 
 
 def reproduce_figure(manifest_or_path, out_dirs: Sequence[str | Path]) -> FigureBundle:
     """Rebuild an exported figure from its manifest and the ``attnlab analyze`` output directories
     (one per source, in the manifest's order). Checks that the analysed text has the same sha256."""
-    m = manifest_or_path
+    m, source = manifest_or_path, "the manifest"
     if not isinstance(m, Mapping):
-        m = json.loads(Path(m).read_text(encoding="utf-8"))
-    if m.get("format") != MANIFEST_FORMAT:
-        raise ValueError(f"not an attnlab figure manifest (format {m.get('format')!r})")
+        source = Path(m)
+        m = read_json(source)
+    check_manifest(dict(m), source, KINDS)  # types, ranges (head >= 0 ...), required fields, depth
     fig_spec, sources = m["figure"], m["sources"]
-    if len(out_dirs) != len(sources):
-        raise ValueError(f"the manifest has {len(sources)} source(s), got {len(out_dirs)} output directories")
+    if isinstance(out_dirs, str | Path) or len(out_dirs) != len(sources):
+        got = "a single path" if isinstance(out_dirs, str | Path) else f"{len(out_dirs)} output directories"
+        raise ValueError(f"out_dirs must list one output directory per source of {source} "
+                         f"({len(sources)}), got {got}")
     loaded = [_load_window(Path(d), fig_spec["window"]) for d in out_dirs]
-    for _, _, info in loaded:
+    for d, (_, _, info) in zip(out_dirs, loaded, strict=True):
         if info["input"]["sha256"] != m["input"]["sha256"]:
-            raise ValueError("the analysed text differs from the exported one (sha256 mismatch)")
+            raise ValueError(f"the text analysed in {d} differs from the one {source} exported (sha256 "
+                             f"{info['input']['sha256'][:12]} != {m['input']['sha256'][:12]})")
     tokens = loaded[0][1]
     u = sources[0]["settings"].get("u")
     weights = [w for w, _, _ in loaded]
+    _check_params_fit(fig_spec["params"], weights, source)
     multi = fig_spec["kind"] in MULTI_KINDS or len(weights) > 1
-    return build(
-        fig_spec["kind"],
-        weights if multi else weights[0],
-        tokens,
-        fig_spec["params"],
-        u=u if isinstance(u, float) else None,
-        labels=fig_spec.get("labels") or None,
-    )
+    try:
+        return build(
+            fig_spec["kind"],
+            weights if multi else weights[0],
+            tokens,
+            fig_spec["params"],
+            u=u if isinstance(u, float) else None,
+            labels=fig_spec.get("labels") or None,
+        )
+    except (IndexError, KeyError, TypeError) as e:  # a parameter the kind needs and the manifest lacks
+        raise ValueError(f"{source}: figure.params do not describe a {fig_spec['kind']} figure of these "
+                         f"weights ({e.__class__.__name__}: {str(e)[:120]})") from None

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["STOP_SIGNALS", "StopRequest", "Dist", "setup_distributed"]
+__all__ = ["STOP_SIGNALS", "StopRequest", "Dist", "setup_distributed", "check_device"]
 
 # ----------------------------------------------------------------------------------------------
 # Stopping on a signal
@@ -73,7 +73,18 @@ class Dist:
         return self.rank == 0
 
 
+def check_device(device) -> str | None:
+    """``device`` when it is None, 'auto', 'cpu', 'cuda' or 'cuda:<index>'; else a ValueError naming
+    ``--device`` (``torch.device('tpu')`` would raise an unworded RuntimeError)."""
+    ok = device in (None, "auto", "cpu", "cuda") or (
+        isinstance(device, str) and device.startswith("cuda:") and device[5:].isdigit())
+    if not ok:
+        raise ValueError(f"--device must be 'cpu', 'cuda', 'cuda:<index>' or 'auto', got {device!r}")
+    return device
+
+
 def setup_distributed(device: str | None) -> Dist:
+    check_device(device)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     want_cuda = torch.cuda.is_available() if device in (None, "auto") else device.startswith("cuda")
     if want_cuda and not torch.cuda.is_available():

@@ -33,7 +33,9 @@ def training_speed(config: RunConfig, variants=("unas", "dnas", "hnas"), steps: 
     """tokens/s of training steps for each variant: {"results": {variant: {...}}, "setup": {...}}."""
     if steps < 1 or rounds < 1:
         raise ValueError(f"steps and rounds must be >= 1, got steps={steps}, rounds={rounds}")
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    from attnlab.train.runtime import check_device
+
+    dev = torch.device(check_device(device) or ("cuda" if torch.cuda.is_available() else "cpu"))
     tc, dc = config.train, config.data
     vocab = vocab_size or (261 if dc.tokenizer == "byte" else dc.vocab_size)
     base = config.model_config(vocab)

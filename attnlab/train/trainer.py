@@ -26,6 +26,7 @@ from attnlab.data import (
     load_tokenizer,
 )
 from attnlab.models import TransformerLM
+from attnlab.schema import check_threads
 from attnlab.train.checkpoint import (
     CheckpointError,
     clean_temporary,
@@ -135,7 +136,7 @@ def train(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = False
             raise ValueError(f"train.batch_size={tc.batch_size} must be divisible by the number of "
                              f"processes ({ddp.world})")
         if tc.threads:
-            torch.set_num_threads(tc.threads)
+            torch.set_num_threads(check_threads(tc.threads, "train.threads (--threads)"))
         latest = _prepare_run_dir(run_dir, config, resume, ddp.main)
         if ddp.world > 1:  # every rank has read the directory before rank 0 writes to it
             dist.barrier()
