@@ -100,14 +100,14 @@ def loads(text: str | bytes, source: str | os.PathLike, max_depth: int = MAX_JSO
         obj = json.loads(text)
     except RecursionError:
         raise SchemaError(f"{source}: JSON nested more than {max_depth} levels deep, expected at most "
-                          f"{max_depth} (a config, state or manifest file)") from None
+                          f"{max_depth}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         json_error = isinstance(e, json.JSONDecodeError)
         where = f"line {e.lineno} column {e.colno}" if json_error else f"byte {e.start}"
         raise SchemaError(f"{source} is not valid JSON ({e.__class__.__name__} at {where})") from None
     if _depth(obj) > max_depth:
         raise SchemaError(f"{source}: JSON nested more than {max_depth} levels deep, expected at most "
-                          f"{max_depth} (a config, state or manifest file)")
+                          f"{max_depth}")
     return obj
 
 

@@ -11,8 +11,12 @@ sees the same documents in the same shards):
     FILE.parquet          a string text column
 
 Bad records do not stop a run: a file that is not UTF-8 text, an empty document, a JSON line that is
-not an object or whose text is not a string are *skipped* and listed (``Source.skipped``, then the
-manifest). A source that cannot be read at all (missing path, an unsupported file, a missing or
+not JSON, nested deeper than 32 levels, not an object, whose text is not a string or whose id is not a
+scalar (a string or a finite number), a CSV record with an unterminated quote (the reader reaches the
+end of the file inside it: the record is skipped and reading goes on at its next line, so the records
+after it are kept) or with more fields than the header are *skipped* and listed with their line number
+(``Source.skipped``: ``{"id", "reason", "line"}``, then the manifest). Nothing is dropped silently.
+A source that cannot be read at all (missing path, an unsupported file, a missing or
 non-string column) raises ``ValueError`` naming the argument, what was expected and what was seen.
 
 A long document is never held whole: folder files are read and yielded in parts of about
@@ -24,13 +28,17 @@ from __future__ import annotations
 import codecs
 import csv
 import hashlib
+import itertools
 import json
+import math
 import re
 import sqlite3
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from attnlab.schema import SchemaError, loads
 
 __all__ = ["Document", "Source", "open_source", "split_parts", "KJV", "PART_CHARS"]
 
@@ -130,17 +138,31 @@ class Source:
             seen.add(doc.id)
             yield doc
 
-    def _skip(self, doc_id: str, reason: str) -> None:
-        self.skipped.append({"id": doc_id, "reason": reason})
+    def _skip(self, doc_id: str, reason: str, line: int | None = None) -> None:
+        entry = {"id": doc_id, "reason": f"line {line}: {reason}" if line is not None else reason}
+        self.skipped.append(entry if line is None else {**entry, "line": line})
 
-    def _record(self, doc_id: str, text) -> Document | None:
+    def _record(self, doc_id: str, text, line: int | None = None) -> Document | None:
         if not isinstance(text, str):
-            self._skip(doc_id, f"{self.text_column!r} is {type(text).__name__}, expected a string")
+            self._skip(doc_id, f"{self.text_column!r} is {type(text).__name__}, expected a string", line)
             return None
         if not text.strip():
-            self._skip(doc_id, "empty document")
+            self._skip(doc_id, "empty document", line)
             return None
         return Document(doc_id, len(text), _text=text)
+
+    def _id(self, value, fallback: str, line: int | None) -> str | None:
+        """A record's id column value as a string; None (the record is skipped) when it is not a
+        scalar: a list, an object, a boolean, NaN or infinity."""
+        if value is None:
+            return fallback
+        if isinstance(value, str) or (isinstance(value, int | float) and not isinstance(value, bool)
+                                      and math.isfinite(value)):
+            return str(value)
+        kind = type(value).__name__
+        self._skip(fallback, f"{self.id_column!r} is {kind} {str(value)[:40]!r}, expected a string or a "
+                   "number", line)
+        return None
 
     def _kjv(self) -> Iterator[Document]:
         con = sqlite3.connect(f"file:{_kjv_database()}?mode=ro&immutable=1", uri=True)
@@ -186,12 +208,15 @@ class Source:
                 if not raw.strip():
                     continue
                 try:
-                    record = json.loads(raw.decode("utf-8"))
-                except (UnicodeDecodeError, ValueError) as e:
-                    self._skip(doc_id, f"not a JSON line ({e.__class__.__name__})")
+                    record = loads(raw.decode("utf-8"), f"line {number}")
+                except UnicodeDecodeError as e:
+                    self._skip(doc_id, f"not a JSON line ({e.__class__.__name__})", number)
+                    continue
+                except SchemaError as e:  # not JSON, or nested deeper than MAX_JSON_DEPTH
+                    self._skip(doc_id, str(e).removeprefix(f"line {number}").lstrip(": "), number)
                     continue
                 if not isinstance(record, dict):
-                    self._skip(doc_id, f"a JSON {type(record).__name__}, expected an object")
+                    self._skip(doc_id, f"a JSON {type(record).__name__}, expected an object", number)
                     continue
                 if not checked:  # the first record decides whether the column exists at all
                     _check_column("text_column", self.text_column, list(record), self.path)
@@ -199,31 +224,63 @@ class Source:
                         _check_column("id_column", self.id_column, list(record), self.path)
                     checked = True
                 if self.id_column is not None:
-                    doc_id = str(record.get(self.id_column, doc_id))
+                    doc_id = self._id(record.get(self.id_column), doc_id, number)
+                    if doc_id is None:
+                        continue
                 if self.text_column not in record:
-                    self._skip(doc_id, f"no {self.text_column!r} field")
+                    self._skip(doc_id, f"no {self.text_column!r} field", number)
                     continue
-                doc = self._record(doc_id, record[self.text_column])
+                doc = self._record(doc_id, record[self.text_column], number)
                 if doc is not None:
                     yield doc
 
     def _csv(self) -> Iterator[Document]:
+        """Records of a CSV file with a header. A record the csv module cannot parse (an unterminated
+        quote reaches the end of the file; text after a closing quote) is skipped with its first line
+        number, and reading starts again at the line after it, so no later record is lost."""
         csv.field_size_limit(sys.maxsize)
+        columns: list[str] | None = None
+        resume, number = 1, 0  # the physical line to read from; records seen
         try:
-            with open(self.path, newline="", encoding="utf-8-sig") as fh:
-                reader = csv.DictReader(fh)
-                columns = reader.fieldnames or []
-                _check_column("text_column", self.text_column, columns, self.path)
-                if self.id_column is not None:
-                    _check_column("id_column", self.id_column, columns, self.path)
-                for number, row in enumerate(reader, 1):
-                    doc_id = row.get(self.id_column) if self.id_column else None
-                    doc = self._record(doc_id or f"row-{number}", row.get(self.text_column))
-                    if doc is not None:
-                        yield doc
+            while True:
+                with open(self.path, newline="", encoding="utf-8-sig") as fh:
+                    offset = resume - 1
+                    reader = csv.reader(itertools.islice(fh, offset, None), strict=True)
+                    end = offset  # the last physical line of the previous record
+                    try:
+                        if columns is None:
+                            columns = next(reader, [])
+                            _check_column("text_column", self.text_column, columns, self.path)
+                            if self.id_column is not None:
+                                _check_column("id_column", self.id_column, columns, self.path)
+                            end = offset + reader.line_num
+                        for row in reader:
+                            line, end = end + 1, offset + reader.line_num
+                            if row:
+                                number += 1
+                                doc = self._csv_row(row, columns, number, line)
+                                if doc is not None:
+                                    yield doc
+                        return
+                    except csv.Error as e:
+                        line = end + 1
+                        number += 1
+                        self._skip(f"row-{number}", f"cannot be parsed as CSV ({e}: an unterminated quote?); "
+                                   f"skipped, reading goes on at line {line + 1}", line)
+                        resume = line + 1
         except UnicodeDecodeError as e:
             raise ValueError(f"source {self.path} is not UTF-8 text ({e.reason} at byte {e.start}); "
                              "expected a UTF-8 CSV file") from None
+
+    def _csv_row(self, row: list[str], columns: list[str], number: int, line: int) -> Document | None:
+        fallback = f"row-{number}"
+        if len(row) > len(columns):
+            self._skip(fallback, f"{len(row)} fields, the header has {len(columns)} (a stray quote or "
+                       "delimiter?)", line)
+            return None
+        record = dict(zip(columns, row, strict=False))
+        doc_id = record.get(self.id_column) if self.id_column else None
+        return self._record(doc_id or fallback, record.get(self.text_column), line)
 
     def _parquet(self) -> Iterator[Document]:
         import pyarrow as pa
@@ -249,7 +306,10 @@ class Source:
             ids = batch.column(self.id_column).to_pylist() if self.id_column else [None] * len(texts)
             for text, rid in zip(texts, ids, strict=True):
                 number += 1
-                doc = self._record(str(rid) if rid is not None else f"row-{number}", text)
+                doc_id = self._id(rid, f"row-{number}", None)
+                if doc_id is None:
+                    continue
+                doc = self._record(doc_id, text)
                 if doc is not None:
                     yield doc
 
