@@ -30,6 +30,7 @@ def app_env(monkeypatch, tmp_path):
     monkeypatch.setenv("ATTNLAB_UMAP", "off")  # no 30 s numba warm-up in unit tests
     monkeypatch.setenv("ATTNLAB_RUNS_DIR", str(tmp_path / "runs"))
     monkeypatch.setenv("ATTNLAB_UPLOADS_DIR", str(tmp_path / "uploads"))
+    monkeypatch.setenv("ATTNLAB_MODEL_ROOTS", str(tmp_path))  # the tests' model folders may be loaded
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     return tmp_path
 

@@ -7,6 +7,7 @@ copy of the (L, H, N, N) arrays per rerun), shared by every session, a few entri
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -153,7 +154,21 @@ def _plan(
         iters = None  # the slider left at its default: the causal rule's 1 (more rounds are refused)
     # statistics=False: the pages take their statistics from the weights they read, and a variant's
     # weights are computed when first read (Inspect, showing one variant, computes one)
-    return hf.stream_analysis(text, model, variants, mode, u, iters, statistics=False, **dict(extra))
+    plan = hf.stream_analysis(text, model, variants, mode, u, iters, statistics=False, **dict(extra))
+    limit = max_text_tokens()
+    if plan.windowing.n_tokens > limit:  # bounded work per session: one text, at most this many tokens
+        raise ValueError(f"the text has {plan.windowing.n_tokens:,} tokens for this model; the app analyses "
+                         f"up to {limit:,} per text (ATTNLAB_APP_MAX_TOKENS; use `attnlab analyze FILE.txt` "
+                         "for longer texts)")
+    return plan
+
+
+def max_text_tokens() -> int:
+    """Tokens the app analyses per text: ``ATTNLAB_APP_MAX_TOKENS`` (default 200,000)."""
+    try:
+        return max(1, int(os.environ.get("ATTNLAB_APP_MAX_TOKENS", "200000")))
+    except ValueError:
+        return 200_000
 
 
 @st.cache_resource(max_entries=3, ttl=1800, show_spinner=False)

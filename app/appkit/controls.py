@@ -17,7 +17,15 @@ import streamlit as st
 import attnlab
 from appkit import state
 from appkit.analysis import Settings, WindowView, _fail, _window, n_windows
-from appkit.sources import EMBEDDED, UPLOAD_LIMIT_MB, SessionFolder, Source, checkpoint_sources, save_upload
+from appkit.sources import (
+    EMBEDDED,
+    UPLOAD_LIMIT_MB,
+    SessionFolder,
+    Source,
+    check_model_path,
+    checkpoint_sources,
+    save_upload,
+)
 from appkit.variants import param_specs, settings_fields, variant_label
 from attnlab import hf
 
@@ -195,6 +203,10 @@ def _model(prefix: str) -> tuple[Source | None, str | None]:
         ).strip()
         if not path:
             return None, "Enter the path of a folder written by save_pretrained (or an attnlab run)."
+        try:
+            check_model_path(path)  # from the URL (?model_dir=) or the box: untrusted
+        except ValueError as e:
+            return None, str(e)
         return Source("hf", path, path), None
     if choice == UPLOAD:
         files = st.file_uploader(

@@ -5,6 +5,10 @@ A :class:`Source` is a small hashable description; :func:`load` turns it into a 
 server (``st.cache_resource``). Every model goes through ``attnlab.hf.load_model``: Hugging Face
 directories as ``hf.LoadedModel``, native attnlab checkpoints as ``hf.NativeModel``.
 
+Model paths come from the page URL (``?model_dir=``) and the text box, so they are untrusted: only
+directories under the allowed roots load (:func:`model_roots`: the repository's ``checkpoints/``, the
+runs directory, the uploads directory, and any listed in ``ATTNLAB_MODEL_ROOTS``; docs/APP.md).
+
 Uploads go to a per-session :class:`SessionFolder`, removed when the session ends; the folders of a
 server that was killed outright are removed by the next server's start-up sweep
 (:func:`sweep_uploads_once`, :func:`sweep_stale_uploads`).
@@ -45,6 +49,38 @@ def uploads_dir() -> Path:
 def runs_dir() -> Path:
     """Where the Train page keeps runs (ATTNLAB_RUNS_DIR, default runs/ in the repository)."""
     return Path(os.environ.get("ATTNLAB_RUNS_DIR", REPO / "runs"))
+
+
+MODEL_ROOTS_ENV = "ATTNLAB_MODEL_ROOTS"
+
+
+def model_roots() -> list[Path]:
+    """Folders the app may load models from: the shipped ``checkpoints/``, the runs directory, the
+    uploads directory, and the folders listed in ``ATTNLAB_MODEL_ROOTS`` (separated by ``os.pathsep``,
+    e.g. ``/models:/home/me/hf``). Anything else a URL or the text box names is refused."""
+    extra = [Path(p).expanduser() for p in os.environ.get(MODEL_ROOTS_ENV, "").split(os.pathsep) if p.strip()]
+    return [CHECKPOINTS, runs_dir(), uploads_dir(), *extra]
+
+
+def check_model_path(path: str) -> Path:
+    """``path`` resolved (symlinks followed) when it lies under one of :func:`model_roots`; else a
+    ValueError naming it, the allowed roots and the setting that adds one."""
+    try:
+        target = Path(path).expanduser().resolve()
+    except (OSError, RuntimeError, ValueError) as e:  # a loop of links, a NUL byte
+        raise ValueError(f"model directory {path!r} cannot be resolved ({e.__class__.__name__})") from None
+    roots = model_roots()
+    for root in roots:
+        try:
+            target.relative_to(root.expanduser().resolve())
+            return target
+        except (ValueError, OSError):
+            continue
+    shown = ", ".join(str(r) for r in roots)
+    raise ValueError(
+        f"model directory {path!r} is outside the folders this app loads models from ({shown}); "
+        f"expected a folder under one of them (the server's {MODEL_ROOTS_ENV} adds folders)"
+    )
 
 
 @dataclass(frozen=True)
@@ -104,6 +140,8 @@ def _load_cached(kind: str, path: str | None):
 def load(source: Source):
     """hf.LoadedModel (Hugging Face) or hf.NativeModel; ``hf.ModelLoadError`` (a ValueError) with a message
     for people when it does not load. Failures are not cached, so a fixed directory loads next time."""
+    if source.path is not None:
+        check_model_path(source.path)  # the URL and the text box are untrusted
     if source.kind == "hf" and source.path is not None and is_native(source.path):
         source = Source("native", source.path, source.label)
     return _load_cached(source.kind, source.path)
