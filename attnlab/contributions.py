@@ -22,6 +22,7 @@ from collections.abc import Mapping
 import torch
 
 from attnlab import stats
+from attnlab.normalizers.checks import check_number
 from attnlab.stats import check_eps
 
 __all__ = [
@@ -70,6 +71,16 @@ def value_gram(f: torch.Tensor) -> torch.Tensor:
     return torch.einsum("...hnd,...knd->...nhk", f, f)
 
 
+def _check_nonnegative(name: str, t: torch.Tensor, what: str) -> torch.Tensor:
+    """``t`` >= 0 (NaN passes: it propagates, docs/DESIGN.md §4). One reduction over a (..., N)
+    tensor: norms and contributions are small next to the weights."""
+    if t.numel() and not torch.compiler.is_compiling():
+        low = float(torch.nan_to_num(t.detach(), nan=0.0).min())
+        if low < 0:
+            raise ValueError(f"{name} must be >= 0 ({what}), got a minimum of {low:.4g}")
+    return t
+
+
 def _check_pair(weights, norms) -> tuple[torch.Tensor, torch.Tensor]:
     w = _check("weights", weights, 3)
     n = _check("norms", norms, 2)
@@ -78,6 +89,7 @@ def _check_pair(weights, norms) -> tuple[torch.Tensor, torch.Tensor]:
             f"norms must be weights' shape without the query dim, {tuple(w.shape[:-2] + w.shape[-1:])}, "
             f"got {tuple(n.shape)}"
         )
+    _check_nonnegative("norms", n, "vector norms ||f_h(x_j)||")
     return w, n.to(w.device, w.dtype)
 
 
@@ -93,9 +105,17 @@ def contribution_mass(weights: torch.Tensor, norms: torch.Tensor) -> torch.Tenso
 
 def relative_contribution(c: torch.Tensor, n_rows: int) -> torch.Tensor:
     """c~_j = c_j M / sum_j c_j (..., N): contributions on the scale of column masses (they sum to M
-    over the keys like m_j); 0 where every contribution is 0."""
+    over the keys like m_j); 0 where every contribution is 0. ``c`` >= 0, ``n_rows`` an integer >= 0."""
+    n_rows = check_number("n_rows", n_rows, kind=int, low=0)
+    c = _check_nonnegative("c", _check("c", c, 1), "contributions c_j = m_j ||f_h(x_j)||")
+    return _relative(c, n_rows)
+
+
+def _relative(c: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """relative_contribution on checked arguments."""
     total = c.sum(-1, keepdim=True)
-    return torch.where(total > 0, c * n_rows / torch.where(total > 0, total, 1.0), torch.zeros_like(c))
+    keep = (total > 0) | total.isnan()  # a NaN contribution makes its head's c~ NaN (docs/DESIGN.md §4)
+    return torch.where(keep, c * n_rows / torch.where(keep, total, 1.0), torch.zeros_like(c))
 
 
 def layer_contribution_norms(
@@ -148,11 +168,12 @@ def contribution_statistics(
         return {k: torch.zeros(L, H, dtype=torch.float64) for k in CONTRIBUTION_STATISTICS}
     m = w.sum(-2)  # (L, H, N) column masses
     c = m * n  # contribution masses
-    ct = relative_contribution(c, M)
+    ct = _relative(c, M)
     rel = N / M
     away_w = m * rel < eps_relative
     away_c = ct * rel < eps_relative
-    mean = lambda b: b.to(torch.float64).mean(-1)  # noqa: E731
+    nan = (m.isnan() | ct.isnan()).any(-1)  # (L, H): a NaN weight or norm makes the head's shares NaN
+    mean = lambda b: torch.where(nan, torch.nan, b.to(torch.float64).mean(-1))  # noqa: E731
     return {
         "contribution_explained_away": mean(ct < eps),
         "contribution_explained_away_relative": mean(away_c),

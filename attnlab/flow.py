@@ -15,15 +15,21 @@ Cost: one max flow per (output, input) pair on a graph of L * N^2 edges, i.e. ab
 n_outputs * N * L * N^2 edge visits (times a few Dinic phases). ``MAX_FLOW_WORK`` caps that product;
 larger requests raise ValueError and say how many output positions would fit (pass ``outputs=``).
 Measured in docs/BENCHMARKS.md.
+
+NaN (docs/DESIGN.md §4): a NaN (or +inf) weight makes every flow NaN -- a maximum flow is a global
+quantity of the graph, so no flow is computed around it (a finite all-zero flow would be a wrong value).
+Empty weights (no layer, head or token) and negative weights are refused.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
+from attnlab.normalizers.checks import scalar
 from attnlab.stats import check_weights
 
 __all__ = ["CAPACITY_SCALE", "MAX_FLOW_WORK", "flow_work", "flow_capacities", "attention_flow"]
@@ -45,7 +51,13 @@ def flow_capacities(weights: torch.Tensor, add_residual: bool = True) -> torch.T
     w = check_weights("weights", weights, min_dim=3)
     if w.dim() not in (3, 4) or w.shape[-1] != w.shape[-2]:
         raise ValueError(f"weights must be (L, H, N, N) or (L, N, N), got shape {tuple(w.shape)}")
+    if not w.numel():
+        raise ValueError(f"weights must hold at least one layer, head and token (L, H, N >= 1), got shape "
+                         f"{tuple(w.shape)}")
     a = w.double().cpu()
+    low = float(torch.nan_to_num(a, nan=0.0).min())  # one pass, on the host copy flow needs anyway
+    if low < 0:
+        raise ValueError(f"weights must be >= 0 (attention weights), got a minimum of {low:.4g}")
     if a.dim() == 4:
         a = a.mean(1)
     if add_residual:
@@ -82,6 +94,17 @@ def _graph(caps: np.ndarray, source_row: int):
     )
 
 
+def _check_max_work(max_work) -> float:
+    """The work limit: a finite number > 0 (NaN or inf would switch the limit off)."""
+    value = scalar(max_work)
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point():
+        value = float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value <= 0:
+        raise ValueError(f"max_work must be a finite number > 0 (edge visits), got {max_work!r}")
+    return float(value)
+
+
 def attention_flow(
     weights: torch.Tensor,
     outputs: Sequence[int] | None = None,
@@ -95,14 +118,17 @@ def attention_flow(
         weights: (L, H, N, N) (heads averaged) or (L, N, N) attention weights of one window.
         outputs: output positions i (default: all N); each row of the result is one of them.
         add_residual: mix the identity in as rollout does (0.5 W + 0.5 I).
-        max_work: refuse when n_outputs * N * L * N^2 exceeds it (see the module docstring).
+        max_work: refuse when n_outputs * N * L * N^2 exceeds it (see the module docstring); a finite
+            number > 0.
 
     Returns:
         (len(outputs), N) float64: flow[o, j] from output ``outputs[o]`` to input token j; each lies in
-        [0, 1] and a row's flows to all inputs together need not sum to 1.
+        [0, 1] and a row's flows to all inputs together need not sum to 1. All NaN when a weight is
+        NaN or +inf.
     """
     from scipy.sparse.csgraph import maximum_flow
 
+    max_work = _check_max_work(max_work)
     caps = flow_capacities(weights, add_residual)
     L, N, _ = caps.shape
     if outputs is None:
@@ -130,6 +156,8 @@ def attention_flow(
             f"attention flow for {len(outputs)} output position(s) of {L} layers x {N} tokens needs "
             f"~{work:.2g} edge visits, over the limit max_work={max_work:.2g}: {hint}"
         )
+    if bool(torch.isnan(caps).any()):  # NaN / +inf weights (rows renormalized by inf are NaN)
+        return torch.full((len(outputs), N), math.nan, dtype=torch.float64)
     icaps = np.rint(caps.numpy() * CAPACITY_SCALE).astype(np.int64)
     out = np.zeros((len(outputs), N))
     for o, i in enumerate(outputs):

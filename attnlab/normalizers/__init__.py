@@ -21,6 +21,7 @@ The package, one concern per module (each imports only those above it):
     functions.py     the variants as pure functions (logits, ctx) -> weights; NormalizerContext
     checks.py        argument checks, one per kind of argument (shared by every entry point)
     specs.py         VariantSpec / Param, the registry, register_variant, entry points, VARIANTS
+    contract.py      what a registered variant's normalizer must return, checked at its first use
     kernel_paths.py  attnlab's CPU kernels as the fast paths need them
     lse.py           column / row log-sum-exp without the (M, N) matrix; Sinkhorn potentials
     fused.py         fused attend paths (no (M, N) matrix) of unas, dnas, hnas, sinkhorn

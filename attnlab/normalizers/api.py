@@ -15,6 +15,7 @@ import warnings
 import torch
 
 from attnlab.normalizers.checks import check_float_tensor, check_head_shape, check_mask, check_scale
+from attnlab.normalizers.contract import check_output, check_shape
 from attnlab.normalizers.functions import NEG_INF, NormalizerContext
 from attnlab.normalizers.fused import combine_masks
 from attnlab.normalizers.lse import all_finite
@@ -45,15 +46,22 @@ def context(variant: str, params: dict, causal: bool, head_shape: tuple[int, ...
 def normalize(scores: torch.Tensor, variant: str, mask: torch.Tensor | None,
               ctx: NormalizerContext) -> torch.Tensor:
     """The one materialized pipeline, on checked arguments: mask (+ causal) -> -inf, the variant's
-    normalizer in float32/float64, cast back to ``scores.dtype``."""
+    normalizer in float32/float64, cast back to ``scores.dtype``. A registered (not built-in)
+    variant's output is held to its spec (attnlab/normalizers/contract.py): its shape on every call,
+    its values on the first call with finite scores."""
     m, n = scores.shape[-2:]
     mask = combine_masks(mask, ctx.causal, m, n, scores.device)
     logits = scores.to(compute_dtype(scores.dtype))
     if mask is not None:
         logits = logits.masked_fill(~mask, NEG_INF)
-    weights = variant_spec(variant).normalizer(logits, ctx)
+    spec = variant_spec(variant)
+    weights = spec.normalizer(logits, ctx)
+    if not spec.builtin:
+        check_shape(spec, logits, weights)
     if mask is not None:  # a masked entry's weight is 0, even in a row that a NaN score made NaN
         weights = weights.masked_fill(~mask, 0.0)
+    if not spec.builtin:
+        check_output(spec, logits, weights)
     return weights.to(scores.dtype)
 
 
