@@ -335,7 +335,7 @@ def test_config_that_does_not_match_the_weights(tiny_bert, reliability, change):
     config = json.loads((tiny_bert / "config.json").read_text())
     (tiny_bert / "config.json").write_text(json.dumps({**config, **change}))
     msg = load_error(tiny_bert)
-    assert "cannot load the model" in msg or "does not match its weights" in msg
+    assert "cannot load the model" in msg or "does not match its weights" in msg or "the weights hold" in msg
     fixed = (
         " (loaded silently with random or dropped layers before; fixed)" if "layers" in str(change) else ""
     )
@@ -352,12 +352,13 @@ def test_native_config_that_does_not_match_the_weights(tmp_path, reliability):
     cfg = json.loads(cfg_file.read_text())
     cfg["model"]["n_layers"] += 1
     cfg_file.write_text(json.dumps(cfg))
-    with pytest.raises(RuntimeError, match="Missing key") as e:
+    with pytest.raises(ValueError, match="does not match .*config.json") as e:
         load(run)
     reliability(
         "attnlab checkpoint config with one layer more",
         "attnlab.models.load(run)",
-        f"RuntimeError (strict load_state_dict): {' '.join(str(e.value).split())[:160]}",
+        f"ValueError from the safetensors header, before anything is allocated (was RuntimeError from a "
+        f"strict load_state_dict; fixed): {e.value}",
     )
 
 
@@ -366,6 +367,253 @@ def test_unreadable_config(tiny_bert, reliability):
     msg = load_error(tiny_bert)
     assert "not a readable JSON file" in msg
     reliability("config.json that is not JSON", "hf.load_model(dir)", f"ModelLoadError: {msg}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Files a user gives: numbers bounded, paths contained, JSON validated (issue 26, part A)
+# ----------------------------------------------------------------------------------------------
+
+
+def _native_config(run: Path) -> tuple[Path, dict]:
+    cfg_file = run / json.loads((run / "latest.json").read_text())["dir"] / "config.json"
+    return cfg_file, json.loads(cfg_file.read_text())
+
+
+def test_hf_config_with_a_million_layers_is_refused_at_once(tiny_bert, reliability):
+    config = json.loads((tiny_bert / "config.json").read_text())
+    for change in ({"num_hidden_layers": 1_000_000}, {"num_hidden_layers": 500}):
+        (tiny_bert / "config.json").write_text(json.dumps({**config, **change}))
+        started = time.monotonic()
+        msg = load_error(tiny_bert)
+        took = time.monotonic() - started
+        assert took < 10 and "num_hidden_layers" in msg, (took, msg)
+        reliability(
+            f"config.json with {change}",
+            "hf.load_model(dir) (also `attnlab analyze --model`, the app's model_dir)",
+            f"ModelLoadError in {took:.1f} s, before transformers builds anything (it allocated for minutes "
+            f"before; fixed): {msg}",
+        )
+
+
+def test_native_config_with_huge_numbers_is_refused(tmp_path, reliability):
+    from attnlab.models import load
+
+    run = copy_model(SHIPPED, tmp_path / "run")
+    cfg_file, cfg = _native_config(run)
+    for change in ({"n_layers": 100_000}, {"n_layers": 200, "d_model": 8192}):
+        cfg_file.write_text(json.dumps({**cfg, "model": {**cfg["model"], **change}}))
+        started = time.monotonic()
+        with pytest.raises(ValueError) as e:
+            load(run)
+        took = time.monotonic() - started
+        assert took < 10 and "config.json" in str(e.value)
+        reliability(f"attnlab checkpoint config with {change}", "attnlab.models.load(run)",
+                    f"ValueError in {took:.1f} s (it allocated for minutes before; fixed): {e.value}")
+
+
+@pytest.mark.parametrize("missing", ["model", "n_layers"])
+def test_native_config_missing_fields(tmp_path, reliability, missing):
+    from attnlab.models import load
+
+    run = copy_model(SHIPPED, tmp_path / "run")
+    cfg_file, cfg = _native_config(run)
+    (cfg if missing in cfg else cfg["model"]).pop(missing)
+    cfg["model" if "model" in cfg else "step"] = cfg.get("model", 1)
+    cfg_file.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=missing) as e:
+        load(run)
+    reliability(f"attnlab checkpoint config.json without `{missing}`", "attnlab.models.load(run)",
+                f"ValueError naming the file and the field (was KeyError: 'model'; fixed): {e.value}")
+
+
+def test_native_config_wrong_types(tmp_path, reliability):
+    from attnlab.models import load
+
+    run = copy_model(SHIPPED, tmp_path / "run")
+    cfg_file, cfg = _native_config(run)
+    cfg_file.write_text(json.dumps({**cfg, "model": {**cfg["model"], "d_model": "128"}}))
+    with pytest.raises(ValueError, match="model.d_model must be an integer") as e:
+        load(run)
+    reliability("attnlab checkpoint config.json with `d_model: \"128\"`", "attnlab.models.load(run)",
+                f"ValueError (was TypeError; fixed): {e.value}")
+
+
+def test_deeply_nested_json_is_refused(tmp_path, reliability):
+    from attnlab.models import load
+
+    run = copy_model(SHIPPED, tmp_path / "run")
+    cfg_file, _ = _native_config(run)
+    cfg_file.write_text('{"format": "attnlab-checkpoint/1", "model": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(ValueError, match="nested more than 32 levels") as e:
+        load(run)
+    reliability("config.json nested 100,000 levels deep", "attnlab.models.load(run)",
+                f"ValueError (was RecursionError; fixed): {e.value}")
+
+
+@pytest.mark.parametrize("vocab_file", ["/etc/passwd", "../../../../../../etc/passwd"])
+def test_vocab_file_outside_the_checkpoint_is_refused(tmp_path, reliability, vocab_file):
+    run = copy_model(SHIPPED, tmp_path / "run")
+    cfg_file, cfg = _native_config(run)
+    cfg_file.write_text(json.dumps({**cfg, "tokenizer": {"kind": "wordpiece", "vocab_file": vocab_file}}))
+    msg = load_error(run)
+    assert "root:" not in msg and "config.json" in msg, msg
+    reliability(f"`tokenizer.vocab_file: {vocab_file}` in an attnlab checkpoint",
+                "hf.load_model(run) (also the app through an upload or model_dir)",
+                f"ModelLoadError, no line of the file quoted (it quoted /etc/passwd before; fixed): {msg}")
+
+
+@pytest.mark.parametrize("state, what", [({"step": -5}, "negative step"),
+                                         ({"data_position": {"epoch": 0, "cursor": "x"}}, "cursor 'x'"),
+                                         (None, "not JSON")])
+def test_corrupt_resume_state_exits_2(tmp_path, capsys, reliability, state, what):
+    run = tmp_path / "run"
+    cfg = {"name": "tiny", "model": {"d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 32},
+           "data": {"corpus": str(_corpus_file(tmp_path)), "tokenizer": "byte", "seq_len": 16,
+                    "max_chars": 20_000},
+           "train": {"steps": 4, "batch_size": 2, "warmup": 0, "eval_every": 2, "eval_batches": 1,
+                     "log_every": 1, "save_every": 2, "threads": 1}}
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    args = ["--config", tmp_path / "cfg.json", "--out", run, "--no-progress"]
+    rc, err = train_cli([*args, "--stop-after", "2"], capsys)
+    assert rc == 0, err
+    state_file = run / json.loads((run / "latest.json").read_text())["dir"] / "trainer_state.json"
+    old = json.loads(state_file.read_text())
+    state_file.write_text("{not json" if state is None else json.dumps({**old, **state}))
+    rc, err = train_cli([*args, "--resume"], capsys)
+    assert rc == 2 and "trainer_state.json" in err and "Traceback" not in err, err
+    reliability(f"corrupt resume state ({what})", "`attnlab train --resume`",
+                f"exit {rc} (a traceback, or a trusted negative step, before; fixed): {err}")
+
+
+def test_train_device_tpu(tmp_path, capsys, reliability):
+    rc, err = train_cli(["--recipe", "enc-unas", "--out", tmp_path / "r", "--device", "tpu", "--no-progress"],
+                        capsys)
+    assert rc == 2 and "--device" in err and "Traceback" not in err, err
+    reliability("--device tpu", "`attnlab train --recipe enc-unas --device tpu`",
+                f"exit {rc} (a traceback before; fixed): {err}")
+
+
+def test_threads_3000(tmp_path, capsys, reliability):
+    f = tmp_path / "t.txt"
+    f.write_text("A short text.")
+    rc, err = analyze_cli([f, "--threads", "3000", "--out", tmp_path / "out"], capsys)
+    assert rc == 2 and "--threads must be an integer in [1," in err and not (tmp_path / "out").exists(), err
+    reliability("--threads 3000", "`attnlab analyze t.txt --threads 3000` (also train, corpus)",
+                f"exit {rc}, nothing started (6,000 OS threads on 2 cores before; fixed): {err}")
+
+
+def test_tokenizer_failures_are_worded(tiny_model_dir, reliability):
+    import dataclasses
+
+    from attnlab import hf
+    from attnlab.hf.capture.windows import tokenize_text
+
+    loaded = hf.load_model(tiny_model_dir("bert"))
+    with pytest.raises(ValueError, match="lone surrogate") as e:
+        hf.analyze("\ud800", loaded)
+    reliability("lone surrogate", "hf.analyze('\\ud800')", f"ValueError (was TypeError; fixed): {e.value}")
+    with pytest.raises(ValueError, match="overlap must be an integer") as e:
+        hf.analyze("a few words", loaded, overlap=1.5)
+    reliability("overlap=1.5", "hf.analyze(text, overlap=1.5)",
+                f"ValueError (was TypeError; fixed): {e.value}")
+    small = dataclasses.replace(loaded, model=__import__("copy").deepcopy(loaded.model))
+    small.model.resize_token_embeddings(50)
+    with pytest.raises(ValueError, match="embedding rows") as e:
+        hf.analyze("a sentence with common words", small)
+    reliability("token ids beyond the embedding",
+                "hf.analyze on a model of 50 embedding rows, full tokenizer",
+                f"ValueError naming the tokenizer file (was IndexError: index out of range in self; fixed): "
+                f"{e.value}")
+
+    PanicException = type("PanicException", (BaseException,), {})  # as pyo3_runtime's
+
+    class Panics:
+        name_or_path = loaded.info.path
+
+        def __call__(self, *args, **kwargs):
+            raise PanicException("regex: backtrack limit exceeded")
+
+    with pytest.raises(ValueError, match="panic") as e:
+        tokenize_text(Panics(), "text")
+    reliability("a tokenizer that panics (Rust PanicException, a BaseException)",
+                "the windowing's tokenize_text, as hf.analyze calls it",
+                f"ValueError naming the tokenizer file (the panic escaped before; fixed): {e.value}")
+
+
+def test_crafted_manifest(tmp_path, reliability):
+    import numpy as np
+
+    from attnlab.figures import reproduce_figure
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "manifest.json").write_text(json.dumps({"input": {"sha256": "0" * 64}}))
+    w = np.full((2, 3, 4, 4), 0.25, dtype=np.float32)
+    np.savez(out / "weights.npz", tokens=np.array(list("abcd")), unas=w)
+    base = {"format": "attnlab-figure/1", "input": {"sha256": "0" * 64},
+            "figure": {"kind": "heatmap", "window": 0, "params": {"variant": "unas", "layer": 0, "head": 0}},
+            "sources": [{"model": {}, "settings": {"u": 0.5}}]}
+    cases = [("head = -1", {"head": -1}), ("head = 7 of 3", {"head": 7}), ("variant 'x'", {"variant": "x"})]
+    for name, change in cases:
+        m = json.loads(json.dumps(base))
+        m["figure"]["params"].update(change)
+        (tmp_path / "m.json").write_text(json.dumps(m))
+        with pytest.raises(ValueError) as e:
+            reproduce_figure(tmp_path / "m.json", [out])
+        reliability(f"crafted figure manifest: {name}", "attnlab.figures.reproduce_figure(manifest, [dir])",
+                    f"ValueError (drew the last head, or IndexError / KeyError, before; fixed): {e.value}")
+    m = {**base, "sources": "x"}
+    with pytest.raises(ValueError) as e:
+        reproduce_figure(m, [out])
+    reliability("crafted figure manifest: sources = 'x'", "attnlab.figures.reproduce_figure(manifest, [dir])",
+                f"ValueError (was TypeError; fixed): {e.value}")
+
+
+def test_csv_unterminated_quote_loses_nothing(tmp_path, reliability):
+    from attnlab.corpus.sources import open_source
+
+    f = tmp_path / "c.csv"
+    f.write_text('id,text\n1,first record\n2,"an unterminated quote\n3,third record\n4,fourth record\n')
+    src = open_source(str(f), id_column="id")
+    ids = [d.id for d in src]
+    assert ids == ["1", "3", "4"] and [s["line"] for s in src.skipped] == [3]
+    reliability("CSV record with an unterminated quote", "attnlab.corpus.sources.open_source('c.csv')",
+                f"records {ids} read, 1 skipped with its line (it swallowed every later record before, "
+                f"'1 documents, 0 skipped'; fixed): {src.skipped[0]['reason']}")
+    j = tmp_path / "c.jsonl"
+    j.write_text('{"text": "ok", "id": 1}\n{"text": "a", "id": [1, 2]}\n{"text": 5, "id": 3}\n'
+                 + "[" * 10_000 + "]" * 10_000 + "\n")
+    src = open_source(str(j), id_column="id")
+    docs = [d.id for d in src]
+    assert docs == ["1"] and [s["line"] for s in src.skipped] == [2, 3, 4]
+    reliability("JSONL: a list id, a number text, a line nested 10,000 deep",
+                "attnlab.corpus.sources.open_source('c.jsonl')",
+                "each skipped with its line: " + "; ".join(s["reason"] for s in src.skipped))
+
+
+@pytest.mark.parametrize("path", ["/etc", "/", "../../.."])
+def test_app_model_dir_outside_the_roots(tmp_path, monkeypatch, reliability, path):
+    from appkit.sources import Source, load
+
+    monkeypatch.delenv("ATTNLAB_MODEL_ROOTS", raising=False)
+    monkeypatch.setenv("ATTNLAB_RUNS_DIR", str(tmp_path / "runs"))
+    monkeypatch.setenv("ATTNLAB_UPLOADS_DIR", str(tmp_path / "up"))
+    with pytest.raises(ValueError, match="outside the folders") as e:
+        load(Source("hf", path, path))
+    reliability(f"`?model_dir={path}` in the app's URL",
+                "appkit.sources.load (controls refuse it the same way)",
+                f"refused before anything is read (any directory loaded before; fixed): {e.value}")
+
+
+def test_app_text_tokens_are_bounded(reliability):
+    from appkit.analysis import max_text_tokens
+    from appkit.controls import MAX_TEXT_CHARS
+
+    assert max_text_tokens() == 200_000 and MAX_TEXT_CHARS == 1_000_000
+    reliability("analysis work per app session", "appkit.analysis._plan",
+                f"a text of at most {MAX_TEXT_CHARS:,} characters and {max_text_tokens():,} tokens "
+                "(ATTNLAB_APP_MAX_TOKENS); one window of the model's length analysed per page run; models "
+                "only from the allowed roots, their configs bounded")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -177,6 +177,6 @@ def reproduce_figure(manifest_or_path, out_dirs: Sequence[str | Path]) -> Figure
             u=u if isinstance(u, float) else None,
             labels=fig_spec.get("labels") or None,
         )
-    except (IndexError, KeyError, TypeError) as e:  # a parameter the kind needs and the manifest lacks
+    except (IndexError, KeyError, TypeError, ValueError) as e:  # a parameter the kind needs is missing
         raise ValueError(f"{source}: figure.params do not describe a {fig_spec['kind']} figure of these "
                          f"weights ({e.__class__.__name__}: {str(e)[:120]})") from None
