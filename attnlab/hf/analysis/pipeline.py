@@ -34,6 +34,7 @@ from attnlab.hf.capture.windows import (
     TokenizedText,
     Window,
     Windowing,
+    check_token_ids,
     iter_windows,
     plan_windows,
     special_affixes,
@@ -244,6 +245,8 @@ def stream_analysis(
     tokenized = tokenize_text(loaded.tokenizer, text)
     if len(tokenized) == 0:
         raise ValueError("the text produced no tokens for this tokenizer; there is nothing to analyse")
+    check_token_ids(tokenized, prefix + suffix, loaded.model.get_input_embeddings().num_embeddings,
+                    loaded.tokenizer)  # ids the embedding has no row for: a worded error, not IndexError
     windowing = plan_windows(len(tokenized), window, len(prefix) + len(suffix), overlap)
     if info.causal:
         notes.append(_windowing_note(info, windowing, given_window))
