@@ -58,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "attention (default: recompute)",
     )
     add("--u-from", metavar="CHECKPOINT", default=None,
-        help="u per layer and head from a trained attnlab HNAS checkpoint (its mean if the shapes differ)")
+        help="u per layer and head from a trained attnlab HNAS checkpoint (its mean if the shapes differ; "
+        "not with --u)")
     add(
         "--window",
         type=int,
@@ -177,6 +178,10 @@ def _run(args) -> int:
             check_param(name, value)
         except ValueError as e:
             raise InputError(f"--{e}") from None
+    if args.u_from is not None and args.u is not None:
+        raise InputError(f"--u and --u-from are alternatives: pass --u U (one u for every head) or --u-from "
+                         f"CHECKPOINT (the u it learned per layer and head), got --u {args.u:g} and "
+                         f"--u-from {args.u_from}")
     if args.threads is not None and args.threads < 1:
         raise InputError(f"--threads must be >= 1, got {args.threads}")
     if not 0.0 < args.max_mb < float("inf"):  # NaN fails too

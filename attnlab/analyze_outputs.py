@@ -38,6 +38,7 @@ def write_all(args, stream, tmp: Path, formats) -> tuple[list[str], list[str]]:
     from tqdm.auto import tqdm
 
     from attnlab import beyond_cli, stats
+    from attnlab.stats.nan_notes import NOTE_PREFIX as NAN_NOTE
 
     notes = list(stream.notes)
     written: list[str] = []
@@ -53,12 +54,15 @@ def write_all(args, stream, tmp: Path, formats) -> tuple[list[str], list[str]]:
     first: dict = {}
     csv_path = tmp / "statistics.csv"
     tokens = []
+    nan_notes: list[str] = []  # one per window whose table holds NaN (attnlab.stats.nan_notes)
 
     def tables():
         bar = tqdm(stream, total=n_windows, unit="window", desc="analysing", disable=args.quiet)
         for i, result in enumerate(bar):
             table = result.table()
             table.to_csv(csv_path, mode="a", header=i == 0, index=False)
+            nan_notes.extend((f"window {result.index}: " if n_windows > 1 else "") + n
+                             for n in table.attrs.get("notes", []) if n.startswith(NAN_NOTE))
             w = result.window
             tokens.append(
                 {
@@ -85,6 +89,9 @@ def write_all(args, stream, tmp: Path, formats) -> tuple[list[str], list[str]]:
             yield table
 
     summary = stats.aggregate_windows(tables())
+    if nan_notes:  # NaN in the model's weights or outputs: said on stderr and in the manifest
+        windows = f"; {len(nan_notes)} of {n_windows} windows hold NaN" if n_windows > 1 else ""
+        notes.append(nan_notes[0] + windows)
     written[:0] = ["statistics.csv"]
     summary.to_csv(tmp / "summary.csv", index=False)
     write_json(tmp / "summary.json", summary.to_dict(orient="records"))

@@ -333,3 +333,276 @@ def test_contributions_are_never_negative_and_nan_propagates():
                 assert not value.isnan().any() and bool((value >= 0).all()), (key, value)
 
     case()
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. --u-from a checkpoint that learned no u; --u next to --u-from
+# ----------------------------------------------------------------------------------------------
+
+
+def _checkpoint(path, variant):
+    from attnlab import models
+
+    torch.manual_seed(0)
+    config = models.ModelConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=4, variant=variant)
+    lm = models.TransformerLM(config)
+    models.save(lm, path)
+    return lm
+
+
+def _analyze(argv, capsys) -> tuple[int, str]:
+    from attnlab.cli import main
+
+    rc = main(["analyze", *map(str, argv)])
+    return rc, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("variant", ["unas", "dnas"])
+def test_u_from_a_checkpoint_without_hnas_layers_is_refused(tmp_path, capsys, tiny_model_dir, variant,
+                                                            reliability):
+    from attnlab import hf
+
+    _checkpoint(tmp_path / "ckpt", variant)
+    with pytest.raises(ValueError, match=rf"ckpt must have learned HNAS weights u.*got layer variants "
+                                         rf"\['{variant}', '{variant}'\]"):
+        hf.hnas_u_from_checkpoint(tmp_path / "ckpt")
+    src = tmp_path / "text.txt"
+    src.write_text("Attention that does not explain away.")
+    out = tmp_path / "out"
+    rc, err = _analyze([src, "--model", tiny_model_dir("bert"), "--variants", "hnas", "--no-figures",
+                        "--u-from", tmp_path / "ckpt", "--out", out], capsys)
+    assert rc == 2 and "must have learned HNAS weights u" in err and "Traceback" not in err, err
+    assert not out.exists()
+    if variant == "unas":
+        reliability("--u-from a checkpoint without u", "attnlab analyze --u-from <a UNAS checkpoint>",
+                    f"exit {rc}: {err.strip()}")
+
+
+def test_u_from_a_mixed_checkpoint_uses_its_hnas_layers(tmp_path):
+    from attnlab import hf
+
+    lm = _checkpoint(tmp_path / "ckpt", ["unas", "hnas"])
+    u = hf.hnas_u_from_checkpoint(tmp_path / "ckpt")
+    torch.testing.assert_close(u, lm.hybrid_weights())
+    assert u[0].eq(0).all() and u[1].gt(0).all()
+
+
+@pytest.mark.parametrize("u", ["0.3", "0", "1", "0.5"])
+def test_u_next_to_u_from_is_refused(tmp_path, capsys, u, reliability):
+    src = tmp_path / "text.txt"
+    src.write_text("Attention that does not explain away.")
+    out = tmp_path / "out"
+    rc, err = _analyze([src, "--variants", "hnas", "--no-figures", "--u", u, "--u-from", tmp_path / "nowhere",
+                        "--out", out], capsys)
+    assert rc == 2 and "--u and --u-from are alternatives" in err and f"got --u {float(u):g}" in err, err
+    assert not out.exists()
+    if u == "0.3":
+        reliability("--u next to --u-from", "attnlab analyze --u 0.3 --u-from CKPT",
+                    f"exit {rc}: {err.strip()}")
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. NaN in a model's weights: a note naming the first layer (table, CLI, app)
+# ----------------------------------------------------------------------------------------------
+
+
+def _tidy(first_nan: dict[str, int | None], L: int, H: int, windows: int = 1):
+    """A tidy table whose variant v is NaN from layer first_nan[v] on (None: never)."""
+    import pandas as pd
+
+    rows = []
+    for w in range(windows):
+        for v, first in first_nan.items():
+            for layer in range(L):
+                for h in range(H):
+                    for s in ("gini", "row_entropy"):
+                        nan = first is not None and layer >= first and (w == windows - 1 or s == "gini")
+                        rows.append((v, layer, h, s, math.nan if nan else 0.5, w))
+    return pd.DataFrame(rows, columns=["variant", "layer", "head", "statistic", "value", "window"])
+
+
+def test_nan_note_names_the_first_layer():
+    from attnlab import stats
+
+    @fuzz_settings(25)
+    @given(st.integers(1, 6), st.integers(1, 3), st.lists(st.one_of(st.none(), st.integers(0, 5)), min_size=1,
+                                                         max_size=4), st.integers(1, 3))
+    def case(L, H, firsts, windows):
+        first = {f"v{i}": None if f is None else min(f, L - 1) for i, f in enumerate(firsts)}
+        table = _tidy(first, L, H, windows)
+        note = stats.with_nan_note(table).attrs.get("notes", [])
+        given_ = [f for f in first.values() if f is not None]
+        if not given_:
+            assert note == [] and stats.nan_note(table) is None
+            return
+        assert len(note) == 1 and note[0].startswith(f"NaN from layer {min(given_)} on")
+        share = table.value.isna().mean()
+        assert f"{share:.0%} of the statistics are NaN" in note[0]
+        assert ("window 0" in note[0]) == (windows > 1)
+        stats.with_nan_note(table)  # again: one note, not two
+        assert len(table.attrs["notes"]) == 1
+
+    case()
+
+
+def test_weights_nan_note_probes_and_names_the_first_layer():
+    from attnlab import stats
+
+    @fuzz_settings(25)
+    @given(st.integers(1, 5), st.integers(1, 3), st.integers(2, 7), st.integers(0, 4),
+           st.sampled_from(["layer", "key", "query", "none"]), st.booleans())
+    def case(L, H, N, first, where, numpy):
+        first = min(first, L - 1)
+        w = torch.softmax(torch.randn(L, H, N, N), -1)
+        if where == "layer":  # NaN in the layer's q or k weights: its attention and every later one
+            w[first:] = math.nan
+        elif where == "key":  # one key's hidden state NaN: its column, then everything
+            w[first, :, :, 0] = math.nan
+            w[first + 1:] = math.nan
+        elif where == "query" and first < L - 1:  # one query row NaN, everything one layer later
+            w[first, 0, 0] = math.nan
+            w[first + 1:] = math.nan
+        weights = {"unas": w.numpy() if numpy else w, "dnas": w.clone()}
+        note = stats.weights_nan_note(weights)
+        if where == "none" or (where == "query" and first == L - 1):
+            assert note is None
+        else:
+            assert note is not None and note.startswith(f"NaN from layer {first} on"), note
+
+    case()
+
+
+@pytest.fixture(scope="module")
+def nan_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny BERT (2 layers) with NaN in layer 1's query projection."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    directory = tmp_path_factory.mktemp("nan-bert") / "model"
+    shutil.copytree(tiny_model_dir("bert"), directory)
+    tensors = load_file(directory / "model.safetensors")
+    key = next(k for k in tensors if "layer.1." in k and "query.weight" in k)
+    tensors[key][0, 0] = math.nan
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    return directory
+
+
+def test_nan_model_weights_give_a_table_note_naming_the_layer(nan_model_dir, reliability):
+    from attnlab import hf
+
+    loaded = hf.load_model(nan_model_dir)
+    result = hf.analyze("Attention that does not explain away, it keeps a share.", loaded)
+    table = result.table()
+    assert table.value.isna().any() and not table[table.layer == 0].value.isna().any()
+    notes = table.attrs["notes"]
+    assert len(notes) == 1 and notes[0].startswith("NaN from layer 1 on"), notes
+    assert result.windows[0].table().attrs["notes"] == notes
+    assert result.summary().attrs["notes"][0].startswith("NaN from layer 1 on")
+    clean = hf.analyze("Attention that does not explain away.", hf.load_model(None)).table()
+    assert not clean.attrs.get("notes")
+    reliability("NaN in a model's weights", "hf.analyze(text, a model with NaN in layer 1's query weights)"
+                ".table()", f"table.attrs['notes']: {notes[0]}")
+
+
+def test_nan_model_weights_give_a_cli_note(nan_model_dir, tmp_path, capsys, reliability):
+    import json
+
+    src = tmp_path / "text.txt"
+    src.write_text("Attention that does not explain away, it keeps a share.")
+    out = tmp_path / "out"
+    rc, err = _analyze([src, "--model", nan_model_dir, "--no-figures", "--out", out], capsys)
+    assert rc == 0, err
+    line = next((x for x in err.splitlines() if "note: NaN from layer 1 on" in x), None)
+    assert line is not None, err
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert any(n.startswith("NaN from layer 1 on") for n in manifest["notes"]), manifest["notes"]
+    reliability("NaN in a model's weights (CLI)", "attnlab analyze --model <NaN in layer 1's query weights>",
+                f"exit 0 and on stderr: {line.strip()}")
+
+
+@pytest.mark.slow  # an AppTest run (a few seconds)
+def test_nan_model_weights_give_an_app_warning(nan_model_dir, monkeypatch):
+    pytest.importorskip("streamlit.testing.v1")
+    from pathlib import Path
+
+    from streamlit.testing.v1 import AppTest
+
+    monkeypatch.setenv("ATTNLAB_DEBUG", "1")
+    monkeypatch.setenv("ATTNLAB_UMAP", "off")
+    monkeypatch.setenv("ATTNLAB_MODEL_ROOTS", str(Path(nan_model_dir).parent))
+    app = str(Path(__file__).resolve().parents[1] / "app" / "streamlit_app.py")
+    at = AppTest.from_file(app, default_timeout=120).run()
+    at.selectbox(key="inspect_model").set_value("Local Hugging Face directory…").run()
+    at.text_input(key="inspect_model_dir").set_value(str(nan_model_dir)).run()
+    at.switch_page("app_pages/explaining_away.py").run()
+    assert not at.exception, [e.message for e in at.exception]
+    warnings_ = [w.value for w in at.warning]
+    assert any(w.startswith("NaN from layer 1 on") for w in warnings_), warnings_
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. special_mass: special tokens alone; punctuation_mass beside it
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["The cat sat on the mat, because it was tired.",
+                                  "Wait -- what?! (Really...) Yes; no: maybe.", "no punctuation here"])
+def test_special_mass_counts_special_tokens_alone(minilm, text, reliability):
+    from attnlab import hf, stats
+
+    w = hf.analyze(text, minilm).windows[0]
+    assert w._sums is not None  # the analysis' row sums (the fast path) are what is checked
+    table = w.table().set_index(["variant", "layer", "head", "statistic"])["value"]
+    for v, weights in w.weights.items():
+        special = stats.special_token_mass(weights, w.special)  # (L, H): docs/STATISTICS.md's definition
+        punct = stats.special_token_mass(weights, w.punctuation)
+        got_s = torch.tensor(table.xs((v, "special_mass"), level=["variant", "statistic"]).to_numpy())
+        got_p = torch.tensor(table.xs((v, "punctuation_mass"), level=["variant", "statistic"]).to_numpy())
+        torch.testing.assert_close(got_s, special.flatten().double(), atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(got_p, punct.flatten().double(), atol=2e-5, rtol=1e-4)
+        assert bool((got_p >= 0).all())
+    if text.startswith("The cat"):
+        unas = table.xs("unas", level="variant")
+        reliability("special_mass and punctuation", f"hf.analyze({text!r}).table()",
+                    f"special_mass (unas, mean) {unas.xs('special_mass', level='statistic').mean():.3f} = "
+                    "the "
+                    f"special tokens alone, as docs/STATISTICS.md defines it; punctuation_mass "
+                    f"{unas.xs('punctuation_mass', level='statistic').mean():.3f} a statistic of its own")
+
+
+def test_special_mass_without_punctuation_and_the_old_keyword(minilm):
+    from attnlab import hf
+
+    w = hf.analyze("The cat sat on the mat, because it was tired.", minilm).windows[0]
+    plain = w.table(punctuation=False)
+    assert "punctuation_mass" not in set(plain.statistic) and "special_mass" in set(plain.statistic)
+    with pytest.warns(DeprecationWarning, match="special_mass counts special tokens only"):
+        old = w.table(include_punctuation=True)
+    new = w.table()
+    assert old.equals(new)
+    recomputed = w.table(reference="dnas")  # not from the row sums: from the weights
+    a = recomputed[recomputed.statistic.isin(["special_mass", "punctuation_mass"])].value.to_numpy()
+    b = new[new.statistic.isin(["special_mass", "punctuation_mass"])].value.to_numpy()
+    np.testing.assert_allclose(a, b, atol=2e-5)
+
+
+def test_tidy_table_punctuation_fuzz():
+    from attnlab import stats
+
+    @fuzz_settings(20)
+    @given(st.integers(1, 2), st.integers(1, 3), st.integers(1, 7), st.integers(0, 2**31))
+    def case(L, H, N, seed):
+        gen = torch.Generator().manual_seed(seed)
+        w = {"unas": torch.softmax(torch.randn(L, H, N, N, generator=gen), -1)}
+        special = torch.rand(N, generator=gen) < 0.3
+        punct = (torch.rand(N, generator=gen) < 0.3) & ~special
+        df = stats.tidy_table(w, special=special, punctuation=punct).set_index("statistic")["value"]
+        torch.testing.assert_close(torch.tensor(df.loc[["special_mass"]].to_numpy()),
+                                   stats.special_token_mass(w["unas"], special).flatten().double())
+        torch.testing.assert_close(torch.tensor(df.loc[["punctuation_mass"]].to_numpy()),
+                                   stats.special_token_mass(w["unas"], punct).flatten().double())
+        assert_value_error(lambda: stats.tidy_table(w, punctuation=torch.ones(N + 1, dtype=torch.bool)),
+                           ["punctuation"])
+
+    case()

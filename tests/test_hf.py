@@ -499,14 +499,15 @@ def test_fused_statistics_equal_tidy_table_on_the_weights(minilm, english_text, 
     result = hf.analyze(english_text, minilm, window=128, u=u)
     w = result.windows[0]
     assert w._sums is not None  # the fused path ran
-    for include in (True, False):
-        special = w.special | w.punctuation if include else w.special
-        slow = stats.tidy_table(w.weights, special=special, u=u, window=w.index)
-        _assert_tables_close(w.table(include_punctuation=include), slow)
-    slow = stats.tidy_table(w.weights, special=w.special | w.punctuation, u=0.3, eps=0.02, eps_relative=0.5,
-                            window=w.index)
+    assert w.punctuation.any() and not (w.punctuation & w.special).any()
+    for punctuation in (True, False):  # special_mass: special tokens alone; punctuation_mass beside it
+        punct = w.punctuation if punctuation else None
+        slow = stats.tidy_table(w.weights, special=w.special, punctuation=punct, u=u, window=w.index)
+        _assert_tables_close(w.table(punctuation=punctuation), slow)
+    slow = stats.tidy_table(w.weights, special=w.special, punctuation=w.punctuation, u=0.3, eps=0.02,
+                            eps_relative=0.5, window=w.index)
     _assert_tables_close(w.table(u=0.3, eps=0.02, eps_relative=0.5), slow)
-    no_ref = stats.tidy_table(w.weights, special=w.special | w.punctuation, u=u, reference="dnas",
+    no_ref = stats.tidy_table(w.weights, special=w.special, punctuation=w.punctuation, u=u, reference="dnas",
                               window=w.index)
     _assert_tables_close(w.table(reference="dnas"), no_ref)  # not cached: recomputed
 

@@ -382,7 +382,7 @@ def test_tidy_table_columns_rows_and_round_trips():
     ws = variant_weights(L, H, N)
     special = torch.zeros(N, dtype=torch.bool)
     special[0] = True
-    df = stats.tidy_table(ws, special=special)
+    df = stats.tidy_table(ws, special=special, punctuation=torch.arange(N) == 3)
     assert list(df.columns) == ["variant", "layer", "head", "statistic", "value"]
     names = set(df["statistic"])
     expected = {k for k in stats.STATISTICS if not k.startswith("js_to_")} | {"js_to_unas"}
@@ -399,7 +399,9 @@ def test_tidy_table_columns_rows_and_round_trips():
     assert set(windowed["window"]) == {3}
     no_ref = stats.tidy_table(ws, reference=None)
     assert not any(s.startswith("js_to_") for s in no_ref["statistic"])
-    assert "special_mass" not in set(no_ref["statistic"])
+    assert not {"special_mass", "punctuation_mass"} & set(no_ref["statistic"])
+    only_special = set(stats.tidy_table(ws, special=special)["statistic"])
+    assert "special_mass" in only_special and "punctuation_mass" not in only_special
 
 
 KEYS = ["variant", "layer", "head", "statistic"]

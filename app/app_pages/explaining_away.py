@@ -20,6 +20,8 @@ text, settings = inputs(P)
 view = window_view(P, settings, text)
 L, H, N = view.shape
 variants = list(view.weights)
+if nan := view.nan_note():  # NaN in the model's weights or outputs: the statistics below are NaN
+    st.warning(nan)
 
 st.subheader("Column-mass distributions")
 c1, c2, c3 = st.columns(3)

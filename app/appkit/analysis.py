@@ -84,6 +84,7 @@ class WindowView:
     notes: list[str] = field(default_factory=list)
     # variant -> {map: (L, H, N, N)}: a GAM checkpoint's phi, theta and brains (hf WindowResult.components)
     components: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+    _nan: list = field(default_factory=list, init=False, repr=False, compare=False)  # [note], once known
 
     @property
     def key(self) -> str:
@@ -102,6 +103,16 @@ class WindowView:
     @property
     def shape(self) -> tuple[int, int, int]:
         return self.info.n_layers, self.info.n_heads, len(self.tokens)  # (no weights computed)
+
+    def nan_note(self) -> str | None:
+        """"NaN from layer l on: ..." when the attention of this window holds NaN (a model whose
+        weights or hidden states hold NaN), else None; reads every variant's weights (a probe of a few
+        rows: attnlab.stats.nan_notes), once per view."""
+        if not self._nan:
+            from attnlab import stats
+
+            self._nan.append(stats.weights_nan_note(self.weights))
+        return self._nan[0]
 
     def statistics_csv(self, eps_relative: float = 0.1) -> str:
         """Every statistic of ``attnlab.stats.tidy_table`` for this window, as CSV."""

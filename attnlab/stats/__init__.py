@@ -29,13 +29,15 @@ Statistics (formulas in docs/STATISTICS.md):
     RowSums                   the per-row / per-column sums every table statistic follows from
                               (immutable; ``attnlab.hf`` computes them with the weights)
     table_from_row_sums / statistics_from_row_sums   the table from RowSums, without the weights
+    nan_note / with_nan_note  "NaN from layer l on: ..." for a table holding NaN (its attrs["notes"])
 
 Computation runs in float32, or float64 when given float64 (half precision is upcast). NaN in the
 weights propagates to every statistic it enters; arguments are checked with ValueErrors naming them.
 
 Files (one concern each): ``_checks`` (argument checks, masks, masked means), ``maps`` (per-map
 statistics), ``divergence`` (Jensen-Shannon), ``words`` (token decoding, word aggregation),
-``engine`` (the blocked row-sums engine, ``RowSums``), ``table`` (pandas tables, aggregation).
+``engine`` (the blocked row-sums engine, ``RowSums``), ``table`` (pandas tables, aggregation),
+``nan_notes`` (where NaN first appears).
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ from attnlab.stats.maps import (
     row_entropy,
     special_token_mass,
 )
+from attnlab.stats.nan_notes import nan_note, weights_nan_note, with_nan_note
 from attnlab.stats.table import (
     _statistics_from_row_sums,
     _tidy_from_row_sums,
@@ -98,6 +101,7 @@ __all__ = [
     "js_distance",
     "mean_attention_distance",
     "merge_tokens",
+    "nan_note",
     "pair_mask",
     "relative_column_mass",
     "row_entropy",
@@ -106,6 +110,8 @@ __all__ = [
     "table_from_row_sums",
     "tidy_table",
     "variant_js_matrix",
+    "weights_nan_note",
+    "with_nan_note",
     "word_aggregate",
     "word_units",
 ]

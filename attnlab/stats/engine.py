@@ -212,10 +212,11 @@ def column_statistics(col: torch.Tensor, n: int, m: int, eps: float, eps_relativ
     }
 
 
-def summarize(raw: RowSums, u, eps, eps_relative, reference, special_index) -> dict:
+def summarize(raw: RowSums, u, eps, eps_relative, reference, special_index, punctuation_index=None) -> dict:
     """{statistic: (L, H)} from the row sums of L*H maps whose M rows and N keys are all valid;
-    ``special_index`` picks the key mask of ``special_mass`` (None: no special_mass); ``reference``:
-    the name in ``js_to_<reference>`` (None: no JS statistic)."""
+    ``special_index`` picks the key mask of ``special_mass`` (None: no special_mass), and
+    ``punctuation_index`` that of ``punctuation_mass`` (None: none); ``reference``: the name in
+    ``js_to_<reference>`` (None: no JS statistic)."""
     L, H, M, N = raw.shape
     cols = raw.cols
     per_head = lambda t: t.mean(-1).reshape(L, H)  # noqa: E731  mean over the M rows
@@ -224,6 +225,8 @@ def summarize(raw: RowSums, u, eps, eps_relative, reference, special_index) -> d
     out["attention_distance"] = per_head(raw.distance)
     if special_index is not None:
         out["special_mass"] = per_head(raw.special[..., special_index])
+    if punctuation_index is not None:
+        out["punctuation_mass"] = per_head(raw.special[..., punctuation_index])
     out["ds_row_dev_max"] = (raw.rowsum - 1.0).abs().amax(-1).reshape(L, H)
     if reference is not None:  # 0 for the reference itself
         out[f"js_to_{reference}"] = per_head(raw.js) if raw.js is not None else cols.new_zeros(L, H)
@@ -254,7 +257,10 @@ STATISTICS: dict[str, str] = {
     "gini": "Gini coefficient of the column masses (0 = uniform, -> 1 = one key takes all)",
     "row_entropy": "-sum_j pi_ij ln pi_ij, mean over valid rows (nats)",
     "attention_distance": "sum_j pi_ij |i - j|, mean over valid rows (tokens)",
-    "special_mass": "sum of pi_ij over special keys, mean over valid rows (only with `special`)",
+    "special_mass": "sum of pi_ij over the special keys ([CLS], [SEP], <s>, ...; punctuation not included), "
+    "mean over valid rows (only with `special`)",
+    "punctuation_mass": "sum of pi_ij over the punctuation keys, mean over valid rows "
+    "(only with `punctuation`)",
     "ds_column_dev_max": "max_j |m_j - M_valid/N_valid| (deviation from doubly stochastic)",
     "ds_column_dev_mean": "mean_j |m_j - M_valid/N_valid|",
     "ds_row_dev_max": "max_i |sum_j pi_ij - 1| over valid rows",
@@ -266,9 +272,11 @@ STATISTICS: dict[str, str] = {
 BASE_ORDER = [k for k in STATISTICS if not k.startswith("js_to_")]
 
 
-def empty_statistics(names, reference, with_special: bool, L, H):
+def empty_statistics(names, reference, with_special: bool, L, H, with_punctuation: bool = False):
     """No valid token: every statistic is 0."""
-    keys = [k for k in BASE_ORDER if k != "special_mass" or with_special]
+    given = {"special_mass": with_special, "punctuation_mass": with_punctuation}
+    skip = {k for k, g in given.items() if not g}
+    keys = [k for k in BASE_ORDER if k not in skip]
     if reference is not None:
         keys.append(f"js_to_{reference}")
     return {name: {k: torch.zeros(L, H, dtype=torch.float64) for k in keys} for name in names}
@@ -276,12 +284,13 @@ def empty_statistics(names, reference, with_special: bool, L, H):
 
 def statistics_from_row_sums(
     sums: Mapping[str, RowSums], *, special_index: int | None = None, u=0.5, eps=0.01,
-    eps_relative=0.1, reference: str | None = "unas",
+    eps_relative=0.1, reference: str | None = "unas", punctuation_index: int | None = None,
 ) -> dict[str, dict[str, torch.Tensor]]:
     """{variant: {statistic: (L, H)}} of the tidy table from each variant's row sums (all one shape).
 
     ``special_index``: which of the S key masks of ``RowSums.special`` is ``special_mass`` (None: no
-    special_mass); ``reference``: the variant of ``js_to_<reference>`` (skipped if absent).
+    special_mass); ``punctuation_index`` the same for ``punctuation_mass``; ``reference``: the variant
+    of ``js_to_<reference>`` (skipped if absent).
     """
     from attnlab.stats._checks import check_eps
 
@@ -300,14 +309,15 @@ def statistics_from_row_sums(
     if reference not in sums:
         reference = None
     first = sums[names[0]]
-    if special_index is not None:
-        S = 0 if first.special is None else first.special.shape[-1]
-        if isinstance(special_index, bool) or not isinstance(special_index, int) \
-                or not 0 <= special_index < S:
-            raise ValueError(f"special_index must be None or an int in [0, {S}) (the row sums' key masks), "
-                             f"got {special_index!r}")
+    S = 0 if first.special is None else first.special.shape[-1]
+    for label, index in (("special_index", special_index), ("punctuation_index", punctuation_index)):
+        if index is not None and (isinstance(index, bool) or not isinstance(index, int)
+                                  or not 0 <= index < S):
+            raise ValueError(f"{label} must be None or an int in [0, {S}) (the row sums' key masks), "
+                             f"got {index!r}")
     if not (L and H and M and N):
-        return empty_statistics(names, reference, special_index is not None, L, H)
+        return empty_statistics(names, reference, special_index is not None, L, H,
+                                punctuation_index is not None)
     V = len(names)  # every variant at once: (V * L, H) "layers"
 
     def stack(key):
@@ -319,5 +329,5 @@ def statistics_from_row_sums(
 
     both = RowSums((V * L, H, M, N), **{k: stack(k) for k in ("cols", "rowsum", "entropy", "distance",
                                                                "special", "js")})
-    out = summarize(both, u.repeat(V, 1), eps, eps_relative, reference, special_index)
+    out = summarize(both, u.repeat(V, 1), eps, eps_relative, reference, special_index, punctuation_index)
     return {name: {k: t[i * L : (i + 1) * L] for k, t in out.items()} for i, name in enumerate(names)}

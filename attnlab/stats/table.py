@@ -31,7 +31,7 @@ def _check_window(window):
     return window
 
 
-def _check_table_args(weights, valid, special, u):
+def _check_table_args(weights, valid, special, u, punctuation=None):
     if not isinstance(weights, Mapping) or not weights:
         raise ValueError("weights must be a non-empty dict {variant name: tensor (L, H, M, N)}")
     ws = {name: check_weights(f"weights[{name!r}]", w, min_dim=4).detach() for name, w in weights.items()}
@@ -45,10 +45,11 @@ def _check_table_args(weights, valid, special, u):
         check_bool("valid", valid, torch.Size((N,)), "tokens (N,)")
         if valid.shape != (N,):
             raise ValueError(f"valid must have shape ({N},), got {tuple(valid.shape)}")
-    if special is not None:
-        check_bool("special", special, torch.Size((N,)), "keys (N,)")
-        if special.shape != (N,):
-            raise ValueError(f"special must have shape ({N},), got {tuple(special.shape)}")
+    for name, keys in (("special", special), ("punctuation", punctuation)):
+        if keys is not None:
+            check_bool(name, keys, torch.Size((N,)), "keys (N,)")
+            if keys.shape != (N,):
+                raise ValueError(f"{name} must have shape ({N},), got {tuple(keys.shape)}")
     return ws, (L, H, M, N), u_table(u, L, H)
 
 
@@ -63,6 +64,7 @@ def tidy_table(
     eps_relative: float = 0.1,
     reference: str | None = "unas",
     window: int | str | None = None,
+    punctuation: torch.Tensor | None = None,
 ) -> pd.DataFrame:
     """Every per-head statistic of every variant as one tidy DataFrame.
 
@@ -70,7 +72,9 @@ def tidy_table(
         weights: {variant: (L, H, M, N)} weights of one example (one window), all the same shape.
         valid: bool (N,) real tokens (square weights only); invalid tokens are dropped as queries and
             keys before anything is computed, distances keep the original positions.
-        special: bool (N,) keys whose received mass is reported as ``special_mass``.
+        special: bool (N,) keys whose received mass is reported as ``special_mass`` (the special
+            tokens: [CLS], [SEP], <s>, ...).
+        punctuation: bool (N,) keys whose received mass is reported as ``punctuation_mass``.
         u: HNAS hybrid weight for ``below_hnas_bound``, number or tensor broadcastable to (L, H).
         eps: absolute threshold of ``explained_away``; eps_relative: of ``explained_away_relative``.
         reference: variant that ``js_to_<reference>`` compares every variant with (skipped if absent).
@@ -82,7 +86,7 @@ def tidy_table(
         Layers and heads count from 0. Values are float64, never NaN for finite weights (a NaN weight
         makes the statistics it enters NaN).
     """
-    ws, (L, H, M, N), u = _check_table_args(weights, valid, special, u)
+    ws, (L, H, M, N), u = _check_table_args(weights, valid, special, u, punctuation)
     eps, eps_relative = check_eps("eps", eps), check_eps("eps_relative", eps_relative)
     window = _check_window(window)
     names = list(ws)
@@ -91,13 +95,18 @@ def tidy_table(
         keep = valid.nonzero().squeeze(-1)  # drop padding once: every later pass is dense
         ws = {k: w.index_select(-2, keep).index_select(-1, keep) for k, w in ws.items()}
         special = None if special is None else special[keep]
+        punctuation = None if punctuation is None else punctuation[keep]
         positions = keep
         M = N = int(keep.numel())
     if reference not in ws:
         reference = None
     if not (L and H and M and N):
-        return _to_frame(empty_statistics(names, reference, special is not None, L, H), names, L, H, window)
-    spec = None if special is None else special[:, None]  # (N, 1)
+        empty = empty_statistics(names, reference, special is not None, L, H, punctuation is not None)
+        return _to_frame(empty, names, L, H, window)
+    keys = [m for m in (special, punctuation) if m is not None]
+    spec = torch.stack(keys, -1) if keys else None  # (N, S): special, then punctuation
+    special_index = 0 if special is not None else None
+    punctuation_index = None if punctuation is None else len(keys) - 1
     dist = None
     per_variant = {}
     for name in names:
@@ -105,20 +114,22 @@ def tidy_table(
         dist = distance_matrix(M, N, w, positions) if dist is None or dist.dtype != w.dtype else dist
         js_ref = None if reference is None or name == reference else ws[reference].to(w.dtype)
         raw = RowSums((L, H, M, N), **row_sums_dict(w.reshape(L * H, M, N), spec, dist, js_ref))
-        per_variant[name] = summarize(raw, u, eps, eps_relative, reference, None if spec is None else 0)
+        per_variant[name] = summarize(raw, u, eps, eps_relative, reference, special_index, punctuation_index)
     return _to_frame(per_variant, names, L, H, window)
 
 
 def table_from_row_sums(
     sums: Mapping[str, RowSums], *, special_index: int | None = None, u=0.5, eps=0.01, eps_relative=0.1,
-    reference: str | None = "unas", window: int | str | None = None,
+    reference: str | None = "unas", window: int | str | None = None, punctuation_index: int | None = None,
 ) -> pd.DataFrame:
     """``tidy_table`` from row sums already computed ({variant: RowSums}, e.g. by ``attnlab.hf`` while it
     builds the weights): the same rows, columns and values as ``tidy_table`` on those weights.
-    ``special_index`` picks ``special_mass``'s key mask among the row sums' S masks (None: none)."""
+    ``special_index`` picks ``special_mass``'s key mask among the row sums' S masks (None: none),
+    ``punctuation_index`` that of ``punctuation_mass``."""
     window = _check_window(window)
     stats = statistics_from_row_sums(sums, special_index=special_index, u=u, eps=eps,
-                                     eps_relative=eps_relative, reference=reference)
+                                     eps_relative=eps_relative, reference=reference,
+                                     punctuation_index=punctuation_index)
     L, H = next(iter(sums.values())).shape[:2]
     return _to_frame(stats, list(sums), L, H, window)
 

@@ -7,7 +7,8 @@ Shapes: ``weights[variant]`` is (L, H, N, N) per window (layers, heads, queries,
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -85,27 +86,36 @@ class WindowResult:
         """(N,) bool: tokens made only of punctuation or symbols."""
         return torch.from_numpy(self.window.punctuation)
 
-    def table(self, *, include_punctuation: bool = True, **kwargs):
+    def table(self, *, punctuation: bool = True, include_punctuation: bool | None = None, **kwargs):
         """Tidy statistics of this window (``attnlab.stats.tidy_table``) with a ``window`` column.
 
-        ``special_mass`` counts special tokens and, with ``include_punctuation``, punctuation tokens
-        (docs/DESIGN.md §4). Other keyword arguments (eps, eps_relative, reference) go to ``tidy_table``.
+        ``special_mass`` is the mass on special tokens alone and, with ``punctuation``,
+        ``punctuation_mass`` that on punctuation tokens (docs/STATISTICS.md). Other keyword arguments
+        (eps, eps_relative, reference) go to ``tidy_table``. NaN values come with a note in
+        ``table.attrs["notes"]`` naming the first layer (``attnlab.stats.nan_notes``).
+        ``include_punctuation`` is the old name of ``punctuation`` (special_mass never counts punctuation).
         """
-
-        special = self.special | self.punctuation if include_punctuation else self.special
+        if include_punctuation is not None:
+            warnings.warn("table(include_punctuation=...) is now table(punctuation=...): special_mass counts "
+                          "special tokens only, punctuation_mass the punctuation", DeprecationWarning,
+                          stacklevel=2)
+            punctuation = bool(include_punctuation)
+        special, punct = self.special, (self.punctuation & ~self.special) if punctuation else None
         kwargs.setdefault("u", _u_for_stats(self.u))
         cached = None
         if set(kwargs) <= {"u", "eps", "eps_relative", "reference"}:
-            cached = self._cached_sums(special, kwargs.get("reference", "unas"))
+            cached = self._cached_sums(special, punct, kwargs.get("reference", "unas"))
         if cached is not None:
-            sums, index = cached
-            return contribution_view.with_contributions(self, kwargs, stats.table_from_row_sums(
-                sums, special_index=index, u=kwargs["u"], eps=kwargs.get("eps", 0.01),
-                eps_relative=kwargs.get("eps_relative", 0.1), reference=kwargs.get("reference", "unas"),
-                window=self.index,
-            ))
-        return contribution_view.with_contributions(
-            self, kwargs, stats.tidy_table(self.weights, special=special, window=self.index, **kwargs))
+            sums, index, punct_index = cached
+            table = stats.table_from_row_sums(
+                sums, special_index=index, punctuation_index=punct_index, u=kwargs["u"],
+                eps=kwargs.get("eps", 0.01), eps_relative=kwargs.get("eps_relative", 0.1),
+                reference=kwargs.get("reference", "unas"), window=self.index,
+            )
+        else:
+            table = stats.tidy_table(self.weights, special=special, punctuation=punct, window=self.index,
+                                     **kwargs)
+        return stats.with_nan_note(contribution_view.with_contributions(self, kwargs, table))
 
     def column_masses(self) -> dict[str, torch.Tensor]:
         """{variant: (L, H, N) column masses m_j = sum_i pi_ij}: from the analysis pass's row sums
@@ -114,20 +124,67 @@ class WindowResult:
             sums, _, fingerprint = self._sums
             if list(sums) == list(self.weights) and fingerprint == _fingerprint(self.weights):
                 return {v: s.cols.reshape(s.shape[0], s.shape[1], -1) for v, s in sums.items()}
+        window = self._streamed_window()
+        if window is not None:  # streamed: one more pass over the tiles, no weights held
+            return window.column_masses()
         return {v: w.sum(-2) for v, w in self.weights.items()}
 
-    def _cached_sums(self, special: torch.Tensor, reference):
-        """(row sums, index of ``special`` among their key masks) when they describe the current
-        weights and the requested statistics; None otherwise (tidy_table recomputes)."""
+    def _streamed_window(self):
+        """The streamed window behind every variant's weights (attnlab/hf/compute/streamed.py), or None."""
+        found = {id(getattr(w, "window", None)) for w in self.weights.values()
+                 if getattr(w, "streamed_window", False)}
+        if len(found) != 1 or len(self.weights) == 0:
+            return None
+        w = next(iter(self.weights.values()))
+        return w.window if getattr(w, "streamed_window", False) else None
+
+    def sink_importance(self) -> dict[str, torch.Tensor]:
+        """{variant: (L, H, N)} the causal-corrected importance of every key (Gu et al. 2024,
+        ``attnlab.sinks.sink_importance``): column mass / queries that may attend the key (from the
+        layers' masks on a streamed window; every query on a bidirectional one)."""
+        masses = self.column_masses()
+        window = self._streamed_window()
+        first = next(iter(masses.values()))
+        L, H, N = first.shape
+        counts = window.counts() if window is not None else torch.full((L, N), float(N))  # (L, N)
+        counts = counts[:, None, :].to(first.dtype)
+        return {v: torch.where(counts > 0, m / counts.clamp(min=1), torch.zeros_like(m))
+                for v, m in masses.items()}
+
+    def sink_rate(self, eps: float = 0.3, position: int = 0) -> dict[str, torch.Tensor]:
+        """{variant: (L,)} per layer the share of heads whose importance of key ``position`` exceeds
+        ``eps`` (Gu et al. 2024's sink rate; ``attnlab.sinks.sink_rate``)."""
+        from attnlab import sinks
+
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= float(eps) <= 1:
+            raise ValueError(f"eps must be a number in [0, 1], got {eps!r}")
+        n = len(self.tokens)
+        if isinstance(position, bool) or not isinstance(position, int) or not -n <= position < n:
+            raise ValueError(f"position must be an integer in [-{n}, {n - 1}], got {position!r}")
+        importance = self.sink_importance()
+        return {v: sinks.rate_from_importance(imp[..., position], eps) for v, imp in importance.items()}
+
+    def _cached_sums(self, special: torch.Tensor, punct: torch.Tensor | None, reference):
+        """(row sums, index of ``special`` among their key masks, that of ``punct`` or None) when they
+        describe the current weights and the requested statistics; None otherwise (tidy_table
+        recomputes). The analysis sums the masks special | punctuation and special: the punctuation
+        mass is their difference (an extra key mask of the sums)."""
         if self._sums is None or reference != "unas":
             return None
         sums, masks, fingerprint = self._sums
         if list(sums) != list(self.weights) or fingerprint != _fingerprint(self.weights):
             return None
-        for i, m in enumerate(masks):
-            if torch.equal(m, special):
-                return sums, i
-        return None
+        find = lambda key: next((i for i, m in enumerate(masks) if torch.equal(m, key)), None)  # noqa: E731
+        index = find(special)
+        if index is None or punct is None:
+            return None if index is None else (sums, index, None)
+        if (p := find(punct)) is not None:
+            return sums, index, p
+        if (both := find(special | punct)) is None:
+            return None
+        sums = {v: replace(s, special=torch.cat([s.special, (s.special[..., both] - s.special[..., index])
+                                                 .clamp_min(0.0)[..., None]], -1)) for v, s in sums.items()}
+        return sums, index, len(masks)
 
 
 def _fingerprint(weights: dict[str, torch.Tensor]) -> tuple:
@@ -209,13 +266,13 @@ class AnalysisResult:
         """Tidy statistics, one row per window/variant/layer/head/statistic (see WindowResult.table)."""
         import pandas as pd
 
-        return pd.concat([w.table(**kwargs) for w in self.windows], ignore_index=True)
+        return stats.with_nan_note(pd.concat([w.table(**kwargs) for w in self.windows], ignore_index=True))
 
     def summary(self, **kwargs):
         """Statistics averaged over windows (``attnlab.stats.aggregate_windows``): columns variant,
         layer, head, statistic, value (mean), std, n_windows."""
 
-        return stats.aggregate_windows(w.table(**kwargs) for w in self.windows)
+        return stats.with_nan_note(stats.aggregate_windows(w.table(**kwargs) for w in self.windows))
 
 
 def _text_tokens(w: WindowResult, windowing: Windowing, attr: str = "tokens") -> list:
@@ -233,15 +290,20 @@ def hnas_u_from_checkpoint(directory: str | os.PathLike) -> torch.Tensor:
     """u = sigmoid(theta) per layer and head, (L, H), of a trained attnlab checkpoint (a run or step
     directory written by ``attnlab train``), for ``analyze(..., u=...)`` on a model with the same L, H.
 
-    Raises ValueError if the checkpoint cannot be read or has layers that are not UNAS/DNAS mixtures
+    Raises ValueError if the checkpoint cannot be read, learned no u (no HNAS layer: a UNAS or DNAS
+    checkpoint would silently give u = 0 or 1) or has layers that are not UNAS/DNAS mixtures
     (Sinkhorn with iters > 1).
     """
     from attnlab import models
 
     try:
-        u = models.load(directory).hybrid_weights()  # (L, H)
+        model = models.load(directory)
+        u = model.hybrid_weights()  # (L, H)
     except (OSError, KeyError, RuntimeError) as e:
         raise ValueError(f"cannot read HNAS weights from checkpoint {directory}: {e}") from None
+    if all(block.attn.hybrid_weight() is None for block in model.blocks):
+        raise ValueError(f"checkpoint {directory} must have learned HNAS weights u (a layer with variant "
+                         f"'hnas'), got layer variants {model.config.layer_variants()}: it has no u to use")
     if not bool(torch.isfinite(u).all()):
         raise ValueError(f"checkpoint {directory} has layers without a hybrid weight (Sinkhorn, iters > 1)")
     return u
