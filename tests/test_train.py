@@ -354,6 +354,23 @@ def test_shipped_recipes_are_valid():
     assert same["enc-unas"] == same["enc-dnas"] == same["enc-hnas"]  # the same encoder
 
 
+def test_scale_recipes_are_one_encoder_that_ships_under_25_mb():
+    """enc8-*: the runs of scripts/hnas_scale.sh (issue 29): >= 6 layers, >= 10,000 steps, resumable to
+    the end, the same encoder for every variant, and float32 weights of at most 25 MB."""
+    from attnlab.models import TransformerLM
+
+    configs = {v: load_recipe(f"enc8-{v}") for v in ("unas", "dnas", "hnas")}
+    shape = {v: {k: x for k, x in c.to_dict()["model"].items() if k != "variant"} for v, c in configs.items()}
+    assert shape["unas"] == shape["dnas"] == shape["hnas"]
+    for v, c in configs.items():
+        mc = c.model_config(c.data.vocab_size)
+        assert mc.n_layers >= 6 and c.train.steps >= 10_000 and c.train.keep_optimizer
+        assert c.data.corpus == "kjv+shakespeare" and c.train.threads == 1
+        assert mc.layer_variants() == [v] * mc.n_layers
+        n_params = sum(p.numel() for p in TransformerLM(mc).parameters())
+        assert n_params * 4 <= 25_000_000, (v, n_params)
+
+
 def test_learning_rate_schedule():
     cfg = tiny_config(steps=100, warmup=10, lr=1e-3, min_lr=1e-4).train
     assert learning_rate(5, cfg) == pytest.approx(5e-4)

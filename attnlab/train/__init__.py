@@ -60,7 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="continue the run in --out from its last checkpoint")
     parser.add_argument("--stop-after", type=int,
                         help="stop (with a checkpoint) after this step; resume later")
-    parser.add_argument("--corpus", help="override data.corpus: 'kjv' or a .txt file")
+    parser.add_argument("--corpus",
+                        help="override data.corpus: 'kjv', 'shakespeare', 'kjv+shakespeare' or a .txt file")
     parser.add_argument("--seed", type=int, help="override train.seed")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when available)")
     parser.add_argument("--threads", type=int, help="override train.threads (torch CPU threads)")

@@ -47,7 +47,7 @@ def _from_dict(cls, d: dict, section: str):
 
 @dataclass
 class DataConfig:
-    corpus: str = "kjv"  # "kjv" (default English corpus) or the path of a plain-text file
+    corpus: str = "kjv"  # "kjv" (default), "shakespeare", "kjv+shakespeare" or a .txt path
     max_chars: int | None = None  # use only the first max_chars characters of the corpus
     tokenizer: str = "wordpiece"  # "wordpiece" (default model's vocabulary, restricted) or "byte"
     vocab_size: int = 4096  # wordpiece pieces kept (byte: fixed at 261)
@@ -56,7 +56,8 @@ class DataConfig:
 
     def __post_init__(self):
         s = "data"
-        _check(s, self, "corpus", isinstance(self.corpus, str) and self.corpus != "", "'kjv' or a file path")
+        _check(s, self, "corpus", isinstance(self.corpus, str) and self.corpus != "",
+               "a corpus name ('kjv', 'shakespeare', 'kjv+shakespeare') or a file path")
         _check(s, self, "max_chars",
                self.max_chars is None or (_is_int(self.max_chars) and self.max_chars >= 16),
                "None or an integer >= 16")
