@@ -610,10 +610,10 @@ def test_table_recomputes_after_the_weights_change(minilm):
     result = hf.analyze("The cat sat on the mat because it was tired.", minilm)
     w = result.windows[0]
     w.weights["dnas"].mul_(0.5)  # in place: the statistics computed with the weights are stale
-    special = w.special | w.punctuation
-    _assert_tables_close(w.table(), stats.tidy_table(w.weights, special=special, window=0))
+    keys = {"special": w.special, "punctuation": w.punctuation}
+    _assert_tables_close(w.table(), stats.tidy_table(w.weights, **keys, window=0))
     w.weights["unas"] = w.weights["unas"].clone()
-    _assert_tables_close(w.table(), stats.tidy_table(w.weights, special=special, window=0))
+    _assert_tables_close(w.table(), stats.tidy_table(w.weights, **keys, window=0))
 
 
 def test_weight_memory_is_recycled_only_once_released(minilm):
@@ -750,7 +750,8 @@ def test_analysis_computes_weights_only_when_read(minilm, english_text):
     # the statistics still describe these weights: table() uses the row sums, unchanged
     from attnlab import stats
 
-    _assert_tables_close(table, stats.tidy_table(plain, special=w.special | w.punctuation, window=0))
+    keys = {"special": w.special, "punctuation": w.punctuation}
+    _assert_tables_close(table, stats.tidy_table(plain, **keys, window=0))
     assert w._cached_sums(w.special | w.punctuation, "unas") is not None
 
 

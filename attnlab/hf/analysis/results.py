@@ -104,7 +104,7 @@ class WindowResult:
         kwargs.setdefault("u", _u_for_stats(self.u))
         cached = None
         if set(kwargs) <= {"u", "eps", "eps_relative", "reference"}:
-            cached = self._cached_sums(special, punct, kwargs.get("reference", "unas"))
+            cached = self._cached_key_sums(special, punct, kwargs.get("reference", "unas"))
         if cached is not None:
             sums, index, punct_index = cached
             table = stats.table_from_row_sums(
@@ -164,7 +164,13 @@ class WindowResult:
         importance = self.sink_importance()
         return {v: sinks.rate_from_importance(imp[..., position], eps) for v, imp in importance.items()}
 
-    def _cached_sums(self, special: torch.Tensor, punct: torch.Tensor | None, reference):
+    def _cached_sums(self, special: torch.Tensor, reference):
+        """(row sums, index of the key mask ``special`` among theirs) when they describe the current
+        weights and the requested statistics; None otherwise."""
+        cached = self._cached_key_sums(special, None, reference)
+        return None if cached is None else cached[:2]
+
+    def _cached_key_sums(self, special: torch.Tensor, punct: torch.Tensor | None, reference):
         """(row sums, index of ``special`` among their key masks, that of ``punct`` or None) when they
         describe the current weights and the requested statistics; None otherwise (tidy_table
         recomputes). The analysis sums the masks special | punctuation and special: the punctuation
