@@ -177,8 +177,8 @@ def test_analyze_on_causal_models_streams_and_matches_the_materialized_table(arc
         L, _, H, N, _ = ref[v].shape
         for layer in range(L):
             assert torch.allclose(win.weights[v][layer], ref[v][layer, 0], atol=1e-5), v
-    special = win.special | win.punctuation
-    want = stats.tidy_table({v: ref[v][:, 0] for v in ALL}, special=special, u=0.3)
+    want = stats.tidy_table({v: ref[v][:, 0] for v in ALL}, special=win.special, punctuation=win.punctuation,
+                            u=0.3)
     got = win.table().drop(columns="window")
     keys = ["variant", "layer", "head", "statistic"]
     both = got.merge(want, on=keys, suffixes=("", "_ref"))
