@@ -365,7 +365,7 @@ def test_native_config_that_does_not_match_the_weights(tmp_path, reliability):
 def test_unreadable_config(tiny_bert, reliability):
     (tiny_bert / "config.json").write_bytes(b"\xff\xfe{not json")
     msg = load_error(tiny_bert)
-    assert "not a readable JSON file" in msg
+    assert "is not valid JSON" in msg
     reliability("config.json that is not JSON", "hf.load_model(dir)", f"ModelLoadError: {msg}")
 
 

@@ -125,8 +125,8 @@ def clear_model_cache() -> None:
 def _read_json(path: Path) -> dict:
     try:
         data = read_json(path)
-    except SchemaError as e:
-        raise ModelLoadError(f"{path} is not a readable JSON file ({e})") from None
+    except SchemaError as e:  # not JSON, too deep or too large: the message names the file
+        raise ModelLoadError(str(e)) from None
     except OSError as e:
         raise ModelLoadError(f"{path} is not a readable JSON file ({e.__class__.__name__})") from None
     if not isinstance(data, dict):
