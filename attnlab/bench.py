@@ -1,5 +1,9 @@
 """Benchmarks: ``attnlab bench attention | analysis | training | corpus`` (also ``python -m attnlab.bench``).
 
+analysis --causal SHAPE: a causal model of the long-context shape (LLaMA GQA, LLaMA MHA, GPT-2) at
+512-8,192 tokens, the analysis against the plain forward, and peak RSS growth
+(attnlab/hf/analysis/causal_benchmark.py).
+
 Every figure is a ratio to a baseline measured in the same run (machines are shared and noisy), and
 each is the median of several repeats. Tests never assert speed; docs/BENCHMARKS.md records runs.
 
@@ -239,9 +243,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head-dim", type=int, default=D, help="attention: head dimension D")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="attention: input dtype")
     parser.add_argument("--json", help="also write the results as JSON to this file")
+    parser.add_argument("--causal", choices=["llama", "llama-mha", "gpt2"],
+                        help="analysis: a causal model of this shape at --sizes tokens "
+                        "(default 512,2048,8192)")
 
 
 def run(args: argparse.Namespace) -> int:
+    args.sizes_given = args.sizes != ",".join(map(str, SIZES))
     print(f"machine: {machine()}  device: {args.device}", flush=True)
     if args.what == "attention":
         sizes = tuple(int(s) for s in args.sizes.split(","))
@@ -250,6 +258,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"B=1, H={args.heads}, D={args.head_dim}, {args.dtype}")
         print()
         print(attention_markdown(res))
+    elif args.what == "analysis" and args.causal:
+        from attnlab.hf.analysis.causal_benchmark import benchmark_causal
+
+        sizes = tuple(int(s) for s in args.sizes.split(",")) if args.sizes_given else (512, 2048, 8192)
+        res = benchmark_causal(args.causal, sizes, repeats=args.repeats, memory=not args.no_memory)
     elif args.what == "analysis":
         from attnlab.hf import benchmark_analysis
 

@@ -162,11 +162,29 @@ def contribution_statistics(
     w, n = _check_pair(weights, norms)
     if w.dim() != 4:
         raise ValueError(f"weights must be (L, H, M, N), got shape {tuple(w.shape)}")
-    L, H, M, N = w.shape
+    return _statistics(w.sum(-2), n, w.shape[-2], eps, eps_relative)
+
+
+def contribution_statistics_from_masses(masses: torch.Tensor, norms: torch.Tensor, n_rows: int,
+                                        eps: float = 0.01,
+                                        eps_relative: float = 0.1) -> dict[str, torch.Tensor]:
+    """:func:`contribution_statistics` from the column masses m_j (L, H, N) of ``n_rows`` query rows
+    instead of the weights (they use nothing else): for windows whose weights are streamed."""
+    m = _check("masses", masses, 3)
+    n = _check("norms", norms, 3)
+    if n.shape != m.shape:
+        raise ValueError(f"norms must have the masses' shape {tuple(m.shape)}, got {tuple(n.shape)}")
+    _check_nonnegative("norms", n, "vector norms ||f_h(x_j)||")
+    return _statistics(m, n.to(m.device, m.dtype), check_number("n_rows", n_rows, kind=int, low=0), eps,
+                       eps_relative)
+
+
+def _statistics(m: torch.Tensor, n: torch.Tensor, M: int, eps, eps_relative) -> dict[str, torch.Tensor]:
+    """The statistics of column masses m (L, H, N) of M rows and norms n (L, H, N), checked."""
+    L, H, N = m.shape
     eps, eps_relative = check_eps("eps", eps), check_eps("eps_relative", eps_relative)
     if not (M and N):
         return {k: torch.zeros(L, H, dtype=torch.float64) for k in CONTRIBUTION_STATISTICS}
-    m = w.sum(-2)  # (L, H, N) column masses
     c = m * n  # contribution masses
     ct = _relative(c, M)
     rel = N / M
@@ -196,8 +214,13 @@ def contribution_table(
     for variant in weights:
         if variant not in norms:
             raise ValueError(f"norms has no entry for variant {variant!r} (has {sorted(norms)})")
-    return stats.long_table({v: contribution_statistics(w, norms[v], eps, eps_relative)
-                             for v, w in weights.items()}, window)
+    def one(v, w):
+        if getattr(w, "streamed_window", False):  # streamed weights: their column masses, no weights
+            masses = w.window.column_masses()[v] if w.window is not None else w.sum(-2)
+            return contribution_statistics_from_masses(masses, norms[v], w.shape[-2], eps, eps_relative)
+        return contribution_statistics(w, norms[v], eps, eps_relative)
+
+    return stats.long_table({v: one(v, w) for v, w in weights.items()}, window)
 
 
 def explained_away_fraction_by(

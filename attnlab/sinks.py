@@ -13,6 +13,15 @@ m' with M' rows and N' = N - |S| keys.
     sink_mass                 mean_i sum_{j in S} pi_ij                       (...,)
     sink_excluded_column_mass m'_j and the rows kept                          (..., N'), (..., M)
     sink_statistics           {statistic: (L, H)} of SINK_STATISTICS
+    sink_importance           sum_i pi_ij / (queries that may attend j)                  (..., N)
+    sink_rate                 share of heads whose importance of one key exceeds eps      (L,)
+    massive_activations       per layer: largest |hidden state|, where, ratio to median  dict of (L,)
+
+The causal-corrected importance and the sink rate follow Gu et al. 2024 ("When Attention Sink Emerges
+in Language Models", sail-sg): in a causal layer key j can be attended by N - j queries only, so its
+raw column mass is divided by that count. Massive activations follow Sun et al. 2024 ("Massive
+Activations in Large Language Models"): the largest magnitudes of the residual stream, with their
+token and dimension, and their ratio to the median magnitude.
 """
 
 from __future__ import annotations
@@ -33,6 +42,10 @@ __all__ = [
     "sink_excluded_column_mass",
     "sink_statistics",
     "sink_table",
+    "sink_importance",
+    "sink_rate",
+    "queries_per_key",
+    "massive_activations",
 ]
 
 SINK_CHOICES = ("first", "special", "first+special")
@@ -47,6 +60,8 @@ SINK_STATISTICS: dict[str, str] = {
     "explained_away_no_sinks": "share of keys outside S with m'_j < eps",
     "explained_away_relative_no_sinks": "share of keys outside S with m'_j N' / M' < eps_relative",
     "gini_no_sinks": "Gini coefficient of m' over the keys outside S",
+    "sink_importance_first": "sum_i pi_i1 / (queries that may attend position 1): causal-corrected "
+                             "importance",
 }
 
 
@@ -107,34 +122,45 @@ def sink_statistics(
     special: torch.Tensor | None = None,
     eps: float = 0.01,
     eps_relative: float = 0.1,
+    counts: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """{statistic: (L, H)} of ``SINK_STATISTICS`` for weights (L, H, M, N) and sink ``keys`` (N,);
-    ``special`` (N,) for ``sink_mass_special`` (0 without)."""
+    ``special`` (N,) for ``sink_mass_special`` (0 without); ``counts`` (N,) the queries that may attend
+    each key (default: every row, M)."""
     w, keys = _check(weights, keys)
     if w.dim() != 4:
         raise ValueError(f"weights must be (L, H, M, N), got shape {tuple(w.shape)}")
-    eps, eps_relative = check_eps("eps", eps), check_eps("eps_relative", eps_relative)
     L, H, M, N = w.shape
     first = torch.zeros(N, dtype=torch.bool)
     first[:1] = True
-    out = {
-        "sink_mass_first": sink_mass(w, first),
-        "sink_mass_special": sink_mass(w, special.to(torch.bool))
-        if special is not None
-        else w.new_zeros(L, H),
-        "sink_mass": sink_mass(w, keys),
-    }
     col, kept = sink_excluded_column_mass(w, keys)  # (L, H, N'), (L, H, M)
-    n_keys = col.shape[-1]
+    return statistics_from_parts(
+        first=sink_mass(w, first),
+        special=sink_mass(w, special.to(torch.bool)) if special is not None else w.new_zeros(L, H),
+        sink=sink_mass(w, keys), excluded=col, kept=kept,
+        importance_first=w[..., 0].sum(-1) / _count0(counts, M), eps=eps, eps_relative=eps_relative)
+
+
+def _count0(counts, m: int) -> float:
+    c = float(m) if counts is None else float(counts[0])
+    return max(c, 1.0)
+
+
+def statistics_from_parts(first, special, sink, excluded, kept, importance_first, eps: float = 0.01,
+                          eps_relative: float = 0.1) -> dict[str, torch.Tensor]:
+    """``SINK_STATISTICS`` (each (L, H)) from their parts: the mean row masses on position 0, on the
+    special tokens and on the sink keys (L, H), the column masses m' without the sinks (L, H, N') and
+    the rows kept (L, H, M), and the first key's importance (L, H); shared by the dense path and the
+    streamed analysis (attnlab/hf/compute/streamed.py)."""
+    eps, eps_relative = check_eps("eps", eps), check_eps("eps_relative", eps_relative)
+    out = {"sink_mass_first": first, "sink_mass_special": special, "sink_mass": sink}
+    col = excluded
+    L, H, n_keys = col.shape
     m_rows = kept.sum(-1).to(col.dtype)  # (L, H)
     if n_keys == 0:
-        zero = w.new_zeros(L, H)
-        out.update(
-            column_mass_min_no_sinks=zero,
-            explained_away_no_sinks=zero,
-            explained_away_relative_no_sinks=zero,
-            gini_no_sinks=zero,
-        )
+        zero = col.new_zeros(L, H)
+        out.update(column_mass_min_no_sinks=zero, explained_away_no_sinks=zero,
+                   explained_away_relative_no_sinks=zero, gini_no_sinks=zero)
     else:
         rel = col * (n_keys / torch.where(m_rows > 0, m_rows, 1.0))[..., None]
         has_rows = m_rows > 0
@@ -145,7 +171,78 @@ def sink_statistics(
             explained_away_relative_no_sinks=frac(rel < eps_relative),
             gini_no_sinks=stats.gini(col),
         )
+    out["sink_importance_first"] = importance_first
     return {k: v.to(torch.float64) for k, v in out.items()}
+
+
+def queries_per_key(n_queries: int, n_keys: int, causal: bool = True, mask: torch.Tensor | None = None,
+                    sliding_window: int | None = None) -> torch.Tensor:
+    """(N,) how many queries may attend each key: from ``mask`` (bool broadcastable to (M, N), True =
+    may attend) when given, else M (bidirectional) or, causal with queries at the end of the keys,
+    the queries at or after j (within ``sliding_window`` when given)."""
+    if mask is not None:
+        m = torch.as_tensor(mask).to(torch.bool)
+        full = torch.broadcast_to(m, (*m.shape[:-2], n_queries, n_keys))
+        return full.sum(-2).reshape(-1, n_keys)[0].float()
+    j = torch.arange(n_keys, dtype=torch.float32)
+    if not causal:
+        return torch.full((n_keys,), float(n_queries))
+    first_query_key = n_keys - n_queries  # query i sits at key position i + first_query_key
+    count = (n_queries - (j - first_query_key).clamp(min=0)).clamp(min=0)
+    if sliding_window:
+        count = count.clamp(max=float(sliding_window))
+    return count
+
+
+def sink_importance(weights: torch.Tensor, causal: bool = True,
+                    mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal-corrected importance of each key (Gu et al. 2024): sum_i pi_ij / (queries that may attend
+    j). weights (..., M, N) -> (..., N); 0 for a key no query may attend. ``mask`` bool broadcastable to
+    (M, N) (True = may attend) gives the counts; else causal (queries at the end of the keys) or all M."""
+    w = check_weights("weights", weights, min_dim=2)
+    M, N = w.shape[-2:]
+    counts = queries_per_key(M, N, causal, mask).to(w.device, w.dtype)
+    cols = w.sum(-2)
+    return torch.where(counts > 0, cols / counts.clamp(min=1), torch.zeros_like(cols))
+
+
+def sink_rate(weights, eps: float = 0.3, causal: bool = True, position: int = 0,
+              mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Per layer, the share of heads whose :func:`sink_importance` of key ``position`` exceeds ``eps``
+    (Gu et al. 2024 use eps = 0.3 and the first token): weights (L, H, M, N) -> (L,) float64. NaN
+    importances count as not exceeding eps."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= float(eps) <= 1:
+        raise ValueError(f"eps must be a number in [0, 1], got {eps!r}")
+    w = check_weights("weights", weights, min_dim=2)
+    if w.dim() != 4:
+        raise ValueError(f"weights must be (L, H, M, N), got shape {tuple(w.shape)}")
+    N = w.shape[-1]
+    if isinstance(position, bool) or not isinstance(position, int) or not -N <= position < N:
+        raise ValueError(f"position must be an integer in [-{N}, {N - 1}], got {position!r}")
+    return rate_from_importance(sink_importance(w, causal, mask)[..., position], eps)
+
+
+def rate_from_importance(importance: torch.Tensor, eps: float) -> torch.Tensor:
+    """(L, H) importances of one key -> (L,) share of heads above ``eps``."""
+    return (importance > eps).to(torch.float64).mean(-1)
+
+
+def massive_activations(hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Sun et al. 2024 per layer: hidden (L, N, d) residual-stream states (one text) -> {"max_abs" (L,),
+    "token" (L,) int64 and "dim" (L,) int64 where it occurs, "median_abs" (L,), "ratio" (L,) =
+    max_abs / median_abs} (float64). NaN states give NaN (torch's max and median propagate NaN)."""
+    h = hidden
+    if not isinstance(h, torch.Tensor) or h.dim() != 3 or not h.is_floating_point():
+        raise ValueError(f"hidden must be a floating tensor (L, N, d), got "
+                         f"{tuple(h.shape) if isinstance(h, torch.Tensor) else type(h).__name__}")
+    L, N, d = h.shape
+    if N == 0 or d == 0:
+        raise ValueError(f"hidden must hold at least one token and one dimension, got shape {tuple(h.shape)}")
+    a = h.detach().abs().to(torch.float64).reshape(L, N * d)
+    top, where = a.max(-1)
+    median = a.median(-1).values
+    return {"max_abs": top, "token": where // d, "dim": where % d, "median_abs": median,
+            "ratio": top / median}
 
 
 def sink_table(
@@ -161,5 +258,11 @@ def sink_table(
     every variant of ``weights`` ({variant: (L, H, N, N)})."""
     if not isinstance(weights, Mapping) or not weights:
         raise ValueError("weights must be a non-empty dict {variant name: tensor (L, H, N, N)}")
-    return stats.long_table({v: sink_statistics(w, sink_keys(w.shape[-1], special, which), special, eps,
-                                                eps_relative) for v, w in weights.items()}, window)
+    per = {}
+    for v, w in weights.items():
+        keys = sink_keys(w.shape[-1], special, which)
+        if hasattr(w, "sink_parts"):  # a streamed window's weights (attnlab/hf/compute/head_maps.py)
+            per[v] = statistics_from_parts(**w.sink_parts(keys, special), eps=eps, eps_relative=eps_relative)
+        else:
+            per[v] = sink_statistics(w, keys, special, eps, eps_relative)
+    return stats.long_table(per, window)

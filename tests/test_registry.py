@@ -145,12 +145,13 @@ def test_causal_rules_note_what_they_change_on_a_causal_model(tiny_model_dir):
     try:
         model = hf.load_model(tiny_model_dir("gpt2"))
         result = hf.analyze("a b c d e f", model, variants=("unas", "sinkhorn", "tempered"))
-        causal = [n for n in result.notes if " is causal: " in n]
+        causal = [n for n in result.notes if " is causal: " in n and " uses " in n]
         assert len(causal) == 2, result.notes
+        assert [n for n in result.notes if "tokens are analysed in one window (the whole context" in n]
         assert "sinkhorn uses iters=1 (Causal Sinkhorn with more rounds degenerates" in causal[0]
         assert causal[1].endswith("tempered uses t=0.5 (causal use sharpens t.)")
         again = hf.analyze("a b c d e f", model, variants=("sinkhorn",), iters=1)
-        assert not [n for n in again.notes if " is causal: " in n]  # nothing changed, nothing said
+        assert not [n for n in again.notes if " uses " in n]  # nothing changed, nothing said
     finally:
         specs.unregister_variant("tempered")
 

@@ -36,6 +36,7 @@ from attnlab.hf.analysis.pipeline import (  # noqa: E402
     hnas_u_from_checkpoint,
     stream_analysis,
 )
+from attnlab.hf.beyond.activations import massive_activations  # noqa: E402
 from attnlab.hf.capture.interface import (  # noqa: E402
     CAPTURE,
     CapturedLayer,
@@ -105,6 +106,7 @@ __all__ = [
     "implementation_name",
     "load_model",
     "load_native",
+    "massive_activations",
     "model_on",
     "register_attention_functions",
     "resolve_device",

@@ -72,6 +72,8 @@ def value_norms(w) -> torch.Tensor:
 
 def contribution_mass(w) -> dict[str, torch.Tensor]:
     values = _values(w)
+    if any(getattr(wt, "streamed_window", False) for wt in w.weights.values()):  # c_j = m_j ||f(x_j)||
+        return {v: m * values[v].norms.to(m.dtype) for v, m in w.column_masses().items()}
     return {v: contributions.contribution_mass(wt, values[v].norms) for v, wt in w.weights.items()}
 
 

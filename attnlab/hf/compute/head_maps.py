@@ -31,7 +31,9 @@ class HeadMaps:
 
     def __init__(self, variant: str, shape: tuple[int, int, int, int],
                  head: Callable[[int, int], torch.Tensor],
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", sinks: Callable | None = None, window=None):
+        self._sinks = sinks  # (keys, special) -> {variant: sink statistics' parts} of the whole window
+        self.window = window  # the streamed window behind it (attnlab.hf.compute.streamed.StreamedWindow)
         self.variant = variant
         self.shape = torch.Size(shape)
         self._head = head
@@ -98,6 +100,22 @@ class HeadMaps:
     def numel(self) -> int:
         return self.shape.numel()
 
+    def sink_parts(self, keys: torch.Tensor, special: torch.Tensor | None) -> dict:
+        """The parts of :func:`attnlab.sinks.statistics_from_parts` for this variant, streamed (no
+        weights held); without a streamed window behind it, from the materialized weights."""
+        if self._sinks is not None:
+            return self._sinks(keys, special)[self.variant]
+        from attnlab import sinks
+
+        w = self.materialize()
+        first = torch.zeros_like(keys)
+        first[0] = True
+        col, kept = sinks.sink_excluded_column_mass(w, keys)
+        return {"first": sinks.sink_mass(w, first),
+                "special": sinks.sink_mass(w, special) if special is not None else w.new_zeros(w.shape[:2]),
+                "sink": sinks.sink_mass(w, keys), "excluded": col, "kept": kept,
+                "importance_first": w[..., 0].sum(-1) / max(w.shape[-2], 1)}
+
     # -- everything else: the whole tensor -----------------------------------------------------------
     def materialize(self) -> torch.Tensor:
         """(L, H, N, N) on the CPU, computed once and kept (ValueError beyond MATERIALIZE_LIMIT)."""
@@ -130,8 +148,8 @@ class HeadMaps:
         return func(*real(args), **{k: real(v) for k, v in (kwargs or {}).items()})
 
     def __getattr__(self, name):
-        if name.startswith("__") or name in ("_head", "_whole", "shape", "variant", "device", "dtype",
-                                             "streamed_window"):
+        if name.startswith("__") or name in ("_head", "_whole", "_sinks", "shape", "variant", "device",
+                                             "dtype", "streamed_window", "window"):
             raise AttributeError(name)
         return getattr(self.materialize(), name)
 

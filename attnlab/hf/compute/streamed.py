@@ -34,7 +34,8 @@ from attnlab.normalizers import attention_weights, variant_spec
 from attnlab.normalizers import functions as fn
 from attnlab.stats.engine import row_sums_dict
 
-__all__ = ["TILE_BYTES", "LayerInputs", "stream_rule", "stream_sums", "head_weights"]
+__all__ = ["TILE_BYTES", "LayerInputs", "StreamedWindow", "Tile", "stream_rule", "visit_tiles", "stream_sums",
+           "stream_sink_sums", "head_weights"]
 
 # Bytes of all live (R, T, keys) buffers of one tile together (scores, each variant's rows, the
 # statistics' scratch): 96 MiB keeps a 12-head, 8,192-token layer's tile at >= 64 rows.
@@ -208,6 +209,68 @@ def _per_head(params: Mapping[str, Any], layer: int, head: int) -> dict:
     return out
 
 
+@dataclass(frozen=True)
+class Tile:
+    """One tile of one variant's weights: maps ``maps`` of the window's L*H (layer-major), query rows
+    [i0, i1), keys [lo, hi); ``weights`` (R', T, hi - lo); ``reference`` the unas weights of the same
+    tile (None when unas is not analysed); ``same_as``: a variant visited before whose weights are
+    this very tensor (causal Sinkhorn is DNAS), or None."""
+
+    variant: str
+    layer: int
+    maps: slice
+    i0: int
+    i1: int
+    lo: int
+    hi: int
+    weights: torch.Tensor
+    reference: torch.Tensor | None
+    same_as: str | None = None
+
+
+def visit_tiles(layers: Sequence[LayerInputs], variants: Sequence[str],
+                params: Mapping[str, Mapping[str, Any]],
+                visit: Callable[[Tile], None], progress: Callable[[int], None] | None = None) -> None:
+    """Call ``visit`` on every tile of every variant's weights over the window's layers and heads, in
+    bounded memory (module docstring); ``progress(layers done)`` after each layer."""
+    H, N = layers[0].query.shape[0], layers[0].key.shape[1]
+    causal = any(x.causal for x in layers)
+    rules = {v: stream_rule(v, params[v], causal) for v in variants}
+    ref = "unas" if "unas" in variants else None
+    tiled = [v for v in variants if rules[v] != "head"]
+    if ref is not None and ref not in tiled:
+        tiled.insert(0, ref)
+    mixed = [v for v in variants if variant_spec(v).normalizer is fn.hnas]
+    for layer, inputs in enumerate(layers):
+        R = inputs.group
+        u = _layer_u(params[mixed[0]]["u"], layer, H).to(inputs.query.device) if mixed else None
+        rows = _tile_rows(inputs, R, _LIVE + len(tiled))
+        for g in range(inputs.key.shape[0]):
+            heads = slice(g * R, (g + 1) * R)
+            maps = slice(layer * H + heads.start, layer * H + heads.stop)
+            for i0, i1, lo, hi, tile in _tiles(inputs, heads, tiled, rules, params,
+                                               None if u is None else u[heads], rows):
+                if hi <= lo:
+                    continue
+                seen: dict[int, str] = {}
+                for v in variants:
+                    if rules[v] == "head":
+                        continue
+                    w = tile[v]
+                    visit(Tile(v, layer, maps, i0, i1, lo, hi, w, None if ref is None else tile[ref],
+                               seen.get(id(w))))
+                    seen.setdefault(id(w), v)
+        for v in variants:
+            if rules[v] != "head":
+                continue
+            for h in range(H):
+                w = _head_reference(inputs, h, v, _per_head(params[v], layer, h))[None]  # (1, N, N)
+                r = None if ref is None else head_weights(inputs, layer, h, ref, params)[None]
+                visit(Tile(v, layer, slice(layer * H + h, layer * H + h + 1), 0, N, 0, N, w, r))
+        if progress is not None:
+            progress(layer + 1)
+
+
 def stream_sums(layers: Sequence[LayerInputs], variants: Sequence[str],
                 params: Mapping[str, Mapping[str, Any]], specials: Sequence[torch.Tensor] | None,
                 progress: Callable[[int], None] | None = None) -> dict:
@@ -234,43 +297,62 @@ def stream_sums(layers: Sequence[LayerInputs], variants: Sequence[str],
                "special": None if spec is None else torch.zeros(L * H, N, spec.shape[-1], device=dev),
                "js": None if ref is None or v == ref else torch.zeros(L * H, N, device=dev)}
            for v in variants}
-    causal = any(x.causal for x in layers)
-    rules = {v: stream_rule(v, params[v], causal) for v in variants}
-    tiled = [v for v in variants if rules[v] != "head"]
-    if ref is not None and ref not in tiled:
-        tiled.insert(0, ref)
-    for layer, inputs in enumerate(layers):
-        R = inputs.group
-        mixed = [v for v in variants if variant_spec(v).normalizer is fn.hnas]
-        u = _layer_u(params[mixed[0]]["u"], layer, H).to(dev) if mixed else None
-        rows = _tile_rows(inputs, R, _LIVE + len(tiled))
-        for g in range(inputs.key.shape[0]):
-            heads = slice(g * R, (g + 1) * R)
-            maps = slice(layer * H + heads.start, layer * H + heads.stop)
-            for i0, i1, lo, hi, tile in _tiles(inputs, heads, tiled, rules, params,
-                                               None if u is None else u[heads], rows):
-                if hi <= lo:
-                    continue
-                dist = (torch.arange(i0, i1, device=dev, dtype=torch.float32)[:, None]
-                        - torch.arange(lo, hi, device=dev, dtype=torch.float32)[None, :]).abs_()
-                for v in variants:
-                    if rules[v] == "head":
-                        continue
-                    _add(out[v], maps, i0, i1, lo, hi,
-                         row_sums_dict(tile[v], None if spec is None else spec[lo:hi], dist,
-                                       None if out[v]["js"] is None else tile[ref]))
-        for v in variants:
-            if rules[v] != "head":
-                continue
-            dist = torch.arange(N, device=dev, dtype=torch.float32)
-            dist = (dist[:, None] - dist[None, :]).abs_()
-            for h in range(H):
-                w = _head_reference(inputs, h, v, _per_head(params[v], layer, h))[None]  # (1, N, N)
-                r = None if out[v]["js"] is None else head_weights(inputs, layer, h, ref, params)[None]
-                _add(out[v], slice(layer * H + h, layer * H + h + 1), 0, N, 0, N,
-                     row_sums_dict(w, spec, dist, r))
-        if progress is not None:
-            progress(layer + 1)
+    parts: dict = {}  # the last tile's sums by variant (a variant with the very same weights reuses them)
+
+    def visit(t: Tile) -> None:
+        if t.same_as is not None and t.same_as in parts:
+            part = parts[t.same_as]
+        else:
+            dist = (torch.arange(t.i0, t.i1, device=dev, dtype=torch.float32)[:, None]
+                    - torch.arange(t.lo, t.hi, device=dev, dtype=torch.float32)[None, :]).abs_()
+            part = row_sums_dict(t.weights, None if spec is None else spec[t.lo:t.hi], dist,
+                                 None if t.variant == ref else t.reference)
+        parts[t.variant] = part
+        _add(out[t.variant], t.maps, t.i0, t.i1, t.lo, t.hi, part)
+
+    visit_tiles(layers, variants, params, visit, progress)
+    return out
+
+
+def stream_sink_sums(layers: Sequence[LayerInputs], variants: Sequence[str],
+                     params: Mapping[str, Mapping[str, Any]], keys: torch.Tensor,
+                     special: torch.Tensor | None) -> dict:
+    """What :func:`attnlab.sinks.sink_statistics` needs, streamed: {variant: {"first" (L*H,) mean row
+    mass on position 0, "special" (L*H,) on ``special``, "sink" (L*H, M) each row's mass s_i on the
+    sink ``keys``, "excluded" (L*H, N) sum_i pi_ij / (1 - s_i) over kept rows (0 on sink keys),
+    "kept" (L*H, M) bool}} (attnlab/sinks.py's definitions)."""
+    from attnlab.sinks import ROW_FLOOR
+
+    L, (H, M, _) = len(layers), layers[0].query.shape
+    N = layers[0].key.shape[1]
+    dev = layers[0].query.device
+    keys_f = keys.to(dev, torch.float32)
+    spec_f = None if special is None else special.to(dev, torch.float32)
+    out = {v: {"sink": torch.zeros(L * H, M, device=dev), "special": torch.zeros(L * H, M, device=dev),
+               "total": torch.zeros(L * H, M, device=dev), "excluded": torch.zeros(L * H, N, device=dev),
+               "first": torch.zeros(L * H, device=dev)} for v in variants}
+    # s_i needs a whole row: tiles hold whole rows (every key a row may attend), so it is known per tile
+    def visit(t: Tile) -> None:
+        acc, w = out[t.variant], t.weights  # (R', T, W)
+        s = w @ keys_f[t.lo:t.hi]  # (R', T)
+        total = w.sum(-1)
+        acc["sink"][t.maps, t.i0:t.i1] = s
+        acc["total"][t.maps, t.i0:t.i1] = total
+        if spec_f is not None:
+            acc["special"][t.maps, t.i0:t.i1] = w @ spec_f[t.lo:t.hi]
+        if t.lo == 0:
+            acc["first"][t.maps] += w[..., 0].sum(-1)
+        r = total - s
+        kept = r > ROW_FLOOR * torch.where(total > 0, total, 1.0)
+        scale = torch.where(kept, 1.0 / torch.where(kept, r, 1.0), torch.zeros_like(r))  # (R', T)
+        acc["excluded"][t.maps, t.lo:t.hi] += torch.einsum("rt,rtn->rn", scale, w)
+
+    visit_tiles(layers, variants, params, visit)
+    for acc in out.values():
+        acc["excluded"] *= 1.0 - keys_f
+        r = acc["total"] - acc["sink"]
+        acc["kept"] = r > ROW_FLOOR * torch.where(acc["total"] > 0, acc["total"], 1.0)
+        acc["first"] /= max(M, 1)
     return out
 
 
@@ -309,3 +391,59 @@ def weights_bytes(n_layers: int, n_heads: int, n: int) -> int:
 
 def describe_bytes(b: int) -> str:
     return f"{b / 2**30:.1f} GiB" if b >= 2**30 else f"{b / 2**20:.0f} MiB" if b >= 2**20 else f"{b} bytes"
+
+
+class StreamedWindow:
+    """One streamed window's layer inputs and variant parameters: what its weights (per head, on access)
+    and its sink statistics (another pass over the tiles, on request) are computed from."""
+
+    def __init__(self, layers: Sequence[LayerInputs], variants: Sequence[str],
+                 params: Mapping[str, Mapping[str, Any]]):
+        self.layers, self.variants, self.params = list(layers), tuple(variants), dict(params)
+        self._sinks: dict = {}
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(L, H, M, N)."""
+        H, M, _ = self.layers[0].query.shape
+        return len(self.layers), H, M, self.layers[0].key.shape[1]
+
+    def head(self, variant: str, layer: int, h: int) -> torch.Tensor:
+        """(N, N) weights of one head (computed now)."""
+        return head_weights(self.layers[layer], layer, h, variant, self.params)
+
+    def sink_parts(self, keys: torch.Tensor, special: torch.Tensor | None) -> dict:
+        """{variant: the parts of :func:`attnlab.sinks.statistics_from_parts`} for sink ``keys`` (N,),
+        streamed once per (keys, special) and kept."""
+        from attnlab.sinks import queries_per_key
+
+        key = (keys.cpu().numpy().tobytes(), None if special is None else special.cpu().numpy().tobytes())
+        if key not in self._sinks:
+            L, H, M, N = self.shape
+            raw = stream_sink_sums(self.layers, self.variants, self.params, keys.bool(),
+                                   None if special is None else special.bool())
+            x = self.layers[0]
+            count0 = float(queries_per_key(M, N, x.causal, x.mask, x.sliding_window)[0])
+            self._sinks[key] = {v: {
+                "first": r["first"].reshape(L, H).cpu(),
+                "special": r["special"].mean(-1).reshape(L, H).cpu(),
+                "sink": r["sink"].mean(-1).reshape(L, H).cpu(),
+                "excluded": r["excluded"][:, ~keys.bool().to(r["excluded"].device)].reshape(L, H, -1).cpu(),
+                "kept": r["kept"].reshape(L, H, M).cpu(),
+                "importance_first": (r["first"] * M / max(count0, 1.0)).reshape(L, H).cpu(),
+            } for v, r in raw.items()}
+        return self._sinks[key]
+
+    def counts(self) -> torch.Tensor:
+        """(L, N) how many queries may attend each key, per layer (masks, causality, windows)."""
+        from attnlab.sinks import queries_per_key
+
+        L, _, M, N = self.shape
+        return torch.stack([queries_per_key(M, N, x.causal, None if x.mask is None else x.mask.cpu(),
+                                            x.sliding_window) for x in self.layers])
+
+    def column_masses(self) -> dict[str, torch.Tensor]:
+        """{variant: (L, H, N)} column masses, streamed (no weights held)."""
+        L, H, _, N = self.shape
+        sums = stream_sums(self.layers, self.variants, self.params, None)
+        return {v: s["cols"].reshape(L, H, N).cpu() for v, s in sums.items()}

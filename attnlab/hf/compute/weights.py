@@ -227,14 +227,14 @@ def layer_inputs(captured) -> list[streamed.LayerInputs]:
 def _streamed(captured, variants, params, specials):
     """(weights {variant: HeadMaps (L, H, N, N), per head on access}, row sums or None) of one window,
     streamed: no layer's (H, N, N) is held (docs/ANALYSIS.md §8)."""
-    inputs = layer_inputs(captured)
-    L, (H, N, _) = len(inputs), inputs[0].query.shape
-    sums = None if specials is None else streamed.stream_sums(inputs, variants, params, specials)
+    window = streamed.StreamedWindow(layer_inputs(captured), variants, params)
+    sums = None if specials is None else streamed.stream_sums(window.layers, variants, params, specials)
 
     def head(variant):
-        return lambda layer, h: streamed.head_weights(inputs[layer], layer, h, variant, params)
+        return lambda layer, h: window.head(variant, layer, h)
 
-    weights = {v: HeadMaps(v, (L, H, N, N), head(v)) for v in variants}
+    weights = {v: HeadMaps(v, window.shape, head(v), sinks=window.sink_parts, window=window)
+               for v in variants}
     return weights, sums
 
 
