@@ -1,4 +1,4 @@
-"""The fused analysis inside the capture forward (attnlab/hf/fused_forward.py): the kernel's attention
+"""The fused analysis inside the capture forward (attnlab/hf/compute/fused_forward.py): the kernel's attention
 output in place of SDPA's, the row sums computed layer by layer, and where it steps aside."""
 
 from __future__ import annotations

@@ -688,7 +688,7 @@ def test_batch_weights_refuses_empty_and_out_of_vocabulary_ids(minilm):
 
 
 # ----------------------------------------------------------------------------------------------
-# Weights computed on first access (attnlab/hf/lazy_weights.py)
+# Weights computed on first access (attnlab/hf/compute/lazy_weights.py)
 # ----------------------------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-// attnlab CPU kernel for attnlab.hf: the heads of the fused analysis (attnlab/hf/fused_sums.py, variants_with_sums).
+// attnlab CPU kernel for attnlab.hf: the heads of the fused analysis (attnlab/hf/compute/fused_sums.py, variants_with_sums).
 //
 //   heads(q, k, scale, spec_t, iters, check_span, u, order, pu?, pd?, ph?, ps?, alpha, beta, cols,
 //         dn_rows, sk_rows, stats, js_dnas, js_hnas, js_sinkhorn, hnas, sinkhorn, v?, out?, analyse)
@@ -8,7 +8,7 @@
 // threads, one head per thread at a time (`heads` at the end of this file). Per map, as below.
 // hnas, sinkhorn: those variants are analysed (their factors and sums) whether or not their weights
 // are asked for (ph, ps): the statistics come from this pass without writing any weights, and a
-// variant's weights, written later by the same call, have the same values (attnlab/hf/lazy_weights.py).
+// variant's weights, written later by the same call, have the same values (attnlab/hf/compute/lazy_weights.py).
 //
 // q, k (N, D): the head's queries and keys; scores s = scale q k^T. Linear head (true): with
 // E_ij = exp(s_ij - max_j s_ij) (the thread's scratch s and e hold s - max and E), every variant is a
@@ -21,7 +21,7 @@
 //   hnas (12)     lerp(unas, dnas, u)
 // A head is wide when check_span and its scores span more than kLinearSpanMax nats: then the same
 // outputs come from log space (analysis_wide.h, its layout: every factor 1) and the result is false.
-// The outputs are (the layout of attnlab/hf/fused_sums.py's _FusedBuffers, S = spec_t.size(0)):
+// The outputs are (the layout of attnlab/hf/compute/fused_sums.py's _FusedBuffers, S = spec_t.size(0)):
 //   alpha, beta (3, N)   (alpha_u, alpha_d, a), (1, beta_d, b)
 //   cols (3, N)          (alpha_u, alpha_d, a)^T E: column masses before the column factor
 //   dn_rows (N, 3 + 2S)  E @ [1, beta_d, beta_d ln beta_d, special, beta_d special]
@@ -364,7 +364,7 @@ bool run_head(Head& h, const float* q, int64_t ldq, const float* k, int64_t ldk,
 // or both None: from each map's bound on its score span (span_order);
 // every output is the per-map layout of the file's header stacked over M; v, out (M, N, Dv), unit
 // stride along Dv: with v, out receives unas' attention output softmax(s) v (in place of the model's
-// own attention, attnlab/hf/fused_forward.py); analyse=False: that output alone (the score pass; the
+// own attention, attnlab/hf/compute/fused_forward.py); analyse=False: that output alone (the score pass; the
 // other outputs are left as they are). Returns bool (M): linear.
 at::Tensor heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& scale, const at::Tensor& spec_t,
                  int64_t iters, const c10::optional<at::Tensor>& check_span, const at::Tensor& u,

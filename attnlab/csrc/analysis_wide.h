@@ -1,6 +1,6 @@
 // The log-space path of attnlab's analysis kernel (analysis_cpu.cpp): a head whose scores span more
 // than kLinearSpanMax nats, where exp(s - max) of some entries is not a normal float and the linear
-// passes' diagonal scalings of E would lose them. The math of attnlab/hf/layers.py's _layer_log
+// passes' diagonal scalings of E would lose them. The math of attnlab/hf/compute/layers.py's _layer_log
 // (Eq. numbers of "Attention that does not Explain Away"), with t_ij = s_ij + mu_i the scores
 // (score_pass leaves s_ij = t_ij - mu_i, e = exp(s) and dn[:, 0] = sum_j e_ij):
 //   unas (1)      ln p_ij = s_ij - ln sum_j e_ij
@@ -9,7 +9,7 @@
 //                 c_j = logsumexp_i (t_ij - r_i); then rows as dnas's with the last c
 //   hnas (12)     lerp(unas, dnas, u)
 // Every statistic is summed from the weights themselves (attnlab.stats.engine.row_sums_dict), into
-// the linear path's layout with every factor 1, so that attnlab/hf/fused_sums.py's _assemble_sums
+// the linear path's layout with every factor 1, so that attnlab/hf/compute/fused_sums.py's _assemble_sums
 // reads them unchanged: alpha = beta = 1, cols[c] the column masses, dn[:, 0], dn[:, 1], sk[:, 0] the
 // row sums, dn[:, 2] = sk[:, 1] = 0, the special masses in dn[:, 3:3+S], dn[:, 3+S:], sk[:, 2:], and
 // stats 0-2 sum_j p ln p, 3-5 sum_j p |i - j|, 6 sum_j h ln h, 7-9 twice the Jensen-Shannon divergences.

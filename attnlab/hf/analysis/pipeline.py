@@ -1,5 +1,5 @@
 """Analysing a text with every attention variant on a real model: planning, windows, streaming
-(the results themselves: attnlab/hf/results.py).
+(the results themselves: attnlab/hf/analysis/results.py).
 
 Data flow (docs/DESIGN.md §5): text -> tokens -> windows -> model forward (capturing q, k per layer) ->
 weights per variant (:mod:`attnlab.hf.compute.weights`, recompute or swap mode) -> statistics

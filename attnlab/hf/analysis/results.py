@@ -32,7 +32,7 @@ class WindowResult:
 
     window: Window  # tokens, word ids, special/punctuation flags, character spans
     # variant -> (L, H, N, N); rows sum to 1. From the fused analysis a LazyWeights (a dict whose
-    # variants are computed on first access, attnlab/hf/lazy_weights.py); a plain dict otherwise
+    # variants are computed on first access, attnlab/hf/compute/lazy_weights.py); a plain dict otherwise
     weights: dict[str, torch.Tensor]
     u: float | torch.Tensor = DEFAULT_U  # HNAS weight used (for the u/N bound)
     # variant -> {map: (L, H, N, N)}: the parts of a GAM checkpoint's weights (attnlab.hf.load.native):

@@ -108,8 +108,8 @@ class _Run:
     return_weights: bool = False  # swap mode during an analysis: always return weights
     layer: int = 0  # attention calls seen in the current forward = layer index
     stop_after: int | None = None  # recompute mode: end the forward once this many layers are captured
-    # recompute mode: called after each layer's q, k are recorded (attnlab/hf/fused_forward.py); returns
-    # the layer's attention output in place of SDPA's, or None (SDPA runs)
+    # recompute mode: called after each layer's q, k are recorded (attnlab/hf/compute/fused_forward.py);
+    # returns the layer's attention output in place of SDPA's, or None (SDPA runs)
     layer_hook: Callable[..., torch.Tensor | None] | None = None
 
 
@@ -397,7 +397,7 @@ def capture_qk(model, *, stop_after: int | None = None, layer_hook=None) -> Iter
     layer's q and k are recorded (keys and values with grouped-query heads repeated, ``mask`` the
     recorded one: bool, True = may attend, or None); the
     tensor it returns, (B, N, H, Dv), is the layer's attention output in place of SDPA's (None: SDPA
-    runs). attnlab/hf/fused_forward.py's analysis is one.
+    runs). attnlab/hf/compute/fused_forward.py's analysis is one.
     """
     run = _Run(settings=VariantSettings(), capture=[], stop_after=stop_after, layer_hook=layer_hook)
     with _implementation(model, CAPTURE, run):

@@ -89,7 +89,7 @@ def variants_with_sums(q, k, scale, variants, u, iters, specials, use_kernel: bo
     B = 1) and, computed while each head's matrices are in cache, the row sums of every variant
     (``attnlab.stats.engine.row_sums_dict``) for the tidy table. The statistics need no weights
     written (``write=()``): a variant's weights, written by a later call with the same arguments, have
-    the values they would have had (attnlab/hf/lazy_weights.py materializes them on first access).
+    the values they would have had (attnlab/hf/compute/lazy_weights.py materializes them on first access).
 
     For heads whose scores span at most ``LINEAR_SPAN_MAX`` every variant is a diagonal scaling of one
     matrix E_ij = exp(s_ij - max_j s_ij): unas = diag(alpha_u) E, dnas = diag(alpha_d) E diag(beta_d),
@@ -106,7 +106,7 @@ def variants_with_sums(q, k, scale, variants, u, iters, specials, use_kernel: bo
     attnlab/csrc/analysis_wide.h) when it is built, else PyTorch operations on worker threads
     (:func:`_heads_torch`): the row pass on blocks of rows (:func:`_rows_torch`), wide heads by
     :func:`_variants_unmasked` and ``row_sums_dict`` on the weights (the same results).
-    attnlab/hf/fused_forward.py makes the same kernel call layer by layer inside the capture forward.
+    attnlab/hf/compute/fused_forward.py makes the same kernel call layer by layer inside the capture forward.
 
     q, k: (L, 1, H, N, D); specials: list of S bool (N,) key masks. Returns ({variant in write: (L, 1, H,
     N, N)}, {variant: row sums over L*H maps} or None without ``sums``); ``js`` (to unas) when unas is

@@ -1,4 +1,4 @@
-"""Attention weights computed on first access: the fused analysis (attnlab/hf/fused_sums.py) takes the
+"""Attention weights computed on first access: the fused analysis (attnlab/hf/compute/fused_sums.py) takes the
 statistics' row sums without writing any weights, and keeps only each layer's q and k; a variant's
 (L, H, N, N) weights are computed from them, by the same call that would have written them
 together with the sums (so with the same values), when something reads ``weights[variant]``, and
@@ -34,7 +34,7 @@ class LazyWeights(dict):
 
     Writing (``w[v] = t``, ``del w[v]``, ``update``, ``pop``, ...) behaves as on a dict; it and any
     in-place change of a computed tensor show in :meth:`fingerprint`, so statistics computed with
-    the weights are known to be stale (attnlab/hf/results.py)."""
+    the weights are known to be stale (attnlab/hf/analysis/results.py)."""
 
     def __init__(self, names: Iterable[str], compute: Callable[[tuple[str, ...]], dict]):
         super().__init__(dict.fromkeys(names, _PENDING))

@@ -8,11 +8,11 @@
 
 Unmasked inputs (one window) take a fast path that computes all variants from one score matrix per
 layer; masked ones (padding, causal models) use :func:`attnlab.attention_weights` directly. One window
-of a bidirectional model on the CPU takes the fused path (attnlab/hf/fused_sums.py), which also
-computes the statistics' row sums while each head is in cache; attnlab/hf/layers.py holds the
-unmasked all-variant layer passes, attnlab/hf/pool.py the weights' buffer pool. The forward stops
+of a bidirectional model on the CPU takes the fused path (attnlab/hf/compute/fused_sums.py), which also
+computes the statistics' row sums while each head is in cache; attnlab/hf/compute/layers.py holds the
+unmasked all-variant layer passes, attnlab/hf/compute/pool.py the weights' buffer pool. The forward stops
 after the last layer's q and k; for one unpadded window of a bidirectional model on the CPU its
-attention is the kernel's, which takes the row sums as the layers run (attnlab/hf/fused_forward.py).
+attention is the kernel's, which takes the row sums as the layers run (attnlab/hf/compute/fused_forward.py).
 On a GPU the weights are computed there and copied to the CPU, with the row sums.
 """
 
@@ -352,7 +352,7 @@ def _variants_with_sums(q, k, scale, variants, u, iters, specials):
 
 
 def _layerwise(loaded: LoadedModel, input_ids, attention_mask, variants, given, specials):
-    """The capture forward's layer hook (attnlab/hf/fused_forward.py) for one unpadded window of a
+    """The capture forward's layer hook (attnlab/hf/compute/fused_forward.py) for one unpadded window of a
     bidirectional model on the CPU with attnlab's kernel, or None: the kernel's attention output in
     place of SDPA's in every such forward, and with ``specials`` and every variant in a slot of the
     fused analysis the row sums computed as the layers run."""
