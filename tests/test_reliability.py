@@ -617,6 +617,200 @@ def test_app_text_tokens_are_bounded(reliability):
 
 
 # ----------------------------------------------------------------------------------------------
+# Silent wrong values: checked outputs, NaN where a NaN enters, worded errors (issue 26, part B)
+# ----------------------------------------------------------------------------------------------
+
+
+def _softmax(logits, ctx):
+    """A correct normalizer for register_variant: softmax, rows without a valid key all zero."""
+    import torch
+
+    return torch.nan_to_num(torch.softmax(logits, -1), nan=0.0)
+
+
+# defect -> a normalizer that returns wrong weights in that way
+WRONG_NORMALIZERS = {
+    "wrong shape": lambda x, c: _softmax(x, c)[..., :-1],
+    "int dtype": lambda x, c: (_softmax(x, c) > 0.5).long(),
+    "negative": lambda x, c: _softmax(x, c) - 1.5 * (x > 0),
+    "NaN": lambda x, c: _softmax(x, c) + (x > 0) * float("nan"),
+    "rows x2": lambda x, c: 2 * _softmax(x, c),
+    "weight on masked keys": lambda x, c: __import__("torch").softmax(x.nan_to_num(neginf=0.0), -1),
+}
+
+
+def test_registered_variant_with_wrong_weights_is_refused_at_first_use(monkeypatch, reliability):
+    import torch
+
+    import attnlab
+    from attnlab.normalizers import contract, specs
+
+    checked = []
+    real = contract.check_values
+    monkeypatch.setattr(contract, "check_values", lambda *a: checked.append(a[0].name) or real(*a))
+    scores = torch.randn(1, 2, 3, 4, generator=torch.Generator().manual_seed(0)) + 1.0
+    mask = torch.tensor([True, True, True, False])
+    said, names = {}, []
+    try:
+        for i, (defect, fn) in enumerate(WRONG_NORMALIZERS.items()):
+            name = f"reliability_wrong_{i}"
+            attnlab.register_variant(name, fn, summary="returns wrong weights")
+            names.append(name)
+            expected = f"^variant '{name}': its normalizer must return .*, got "
+            with pytest.raises(ValueError, match=expected) as e:
+                attnlab.attention_weights(scores, name, mask=mask)
+            said[defect] = re.sub(r" \(.*?\)", "", str(e.value).split("must return ")[1].split(", got")[0])
+        # a correct variant: its values are checked once; its shape on every call
+        attnlab.register_variant("reliability_right", _softmax, summary="right for 4 keys only")
+        names.append("reliability_right")
+        for _ in range(3):
+            attnlab.attention_weights(scores, "reliability_right", mask=mask)
+        assert checked.count("reliability_right") == 1, checked
+        attnlab.register_variant("reliability_right", lambda x, c: _softmax(x, c)[..., :4], replace=True)
+        attnlab.attention_weights(scores, "reliability_right")
+        with pytest.raises(ValueError, match=r"logits' shape \(1, 2, 3, 6\), got shape \(1, 2, 3, 4\)"):
+            attnlab.attention_weights(torch.randn(1, 2, 3, 6), "reliability_right")
+    finally:
+        for name in names:
+            specs.unregister_variant(name)
+    assert "shape" in said["wrong shape"] and "floating-point" in said["int dtype"], said
+    assert said["negative"] == "weights >= 0" and "finite" in said["NaN"], said
+    assert said["rows x2"] == said["weight on masked keys"] == "rows summing to 1", said
+    reliability("registered variant returns wrong weights",
+                f"register_variant with a normalizer returning {', '.join(said)}; then attention_weights",
+                "ValueError naming the variant at first use (unchecked before; fixed): must return "
+                f"{' / '.join(dict.fromkeys(said.values()))}; values checked once per spec, shape every call")
+
+
+def test_attention_flow_on_empty_weights(reliability):
+    import torch
+
+    from attnlab.flow import attention_flow
+
+    with pytest.raises(ValueError, match=r"weights must .*got shape \(0, 2, 4, 4\)") as e:
+        attention_flow(torch.zeros(0, 2, 4, 4))
+    reliability("attention flow on empty weights", "attnlab.flow.attention_flow(torch.zeros(0, 2, 4, 4))",
+                f"ValueError (was a numpy concatenate error; fixed): {e.value}")
+
+
+def test_attention_flow_on_nan_weights(reliability):
+    import torch
+
+    from attnlab.flow import attention_flow
+
+    for residual in (True, False):
+        out = attention_flow(torch.full((2, 2, 4, 4), float("nan")), add_residual=residual)
+        assert out.shape == (4, 4) and bool(out.isnan().all()), out
+    reliability("attention flow on NaN weights", "attention_flow(all-NaN (2, 2, 4, 4) weights), with and "
+                "without add_residual", f"a {tuple(out.shape)} flow, every value NaN (was a finite all-zero "
+                "flow; fixed)")
+
+
+def test_attention_flow_work_limit_nan(reliability):
+    import torch
+
+    from attnlab.flow import attention_flow
+
+    w = torch.softmax(torch.randn(2, 2, 4, 4, generator=torch.Generator().manual_seed(0)), -1)
+    with pytest.raises(ValueError, match="^max_work must be a finite number > 0.*got nan") as e:
+        attention_flow(w, max_work=float("nan"))
+    with pytest.raises(ValueError, match="over the limit max_work"):  # a finite limit still holds
+        attention_flow(torch.softmax(torch.randn(2, 2, 6, 6), -1), max_work=10.0)
+    reliability("flow work limit", "attention_flow(w, max_work=nan)",
+                f"ValueError naming max_work (the limit was switched off; fixed): {e.value}")
+
+
+def test_contributions_from_negative_norms_or_n_rows(reliability):
+    import torch
+
+    from attnlab import contributions
+
+    with pytest.raises(ValueError, match=r"^norms must be >= 0.*got a minimum of -1e-06") as norms:
+        contributions.contribution_statistics(torch.full((1, 1, 2, 2), 0.5), torch.tensor([[[1.0, -1e-6]]]))
+    with pytest.raises(ValueError, match="^n_rows must be an integer >= 0, got -1") as n_rows:
+        contributions.relative_contribution(torch.rand(2, 5), n_rows=-1)
+    reliability("contributions from negative norms or n_rows",
+                "contribution_statistics(w, norms with one value -1e-06); "
+                "relative_contribution(c, n_rows=-1)",
+                f"ValueError (negative contributions before; fixed): {norms.value}; {n_rows.value}")
+
+
+def test_u_from_a_checkpoint_without_u(tmp_path, capsys, monkeypatch, tiny_model_dir, reliability):
+    f = tmp_path / "t.txt"
+    f.write_text("Attention that does not explain away.")
+    model = tiny_model_dir("bert")
+    capsys.readouterr()  # building the tiny model (once per session) writes a progress bar
+    monkeypatch.chdir(REPO)
+    rc, err = analyze_cli([f, "--model", model, "--variants", "hnas", "--no-figures",
+                           "--u-from", "checkpoints/enc-unas", "--out", tmp_path / "out"], capsys)
+    assert rc == 2 and "must have learned HNAS weights u" in err and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()
+    reliability("--u-from a checkpoint without u",
+                "`attnlab analyze t.txt --model <tiny BERT> --variants hnas --u-from checkpoints/enc-unas` "
+                "(a UNAS checkpoint)",
+                f"exit {rc}, nothing written (u = 0 silently before; fixed): {err}")
+
+
+def test_u_next_to_u_from(tmp_path, capsys, monkeypatch, reliability):
+    f = tmp_path / "t.txt"
+    f.write_text("Attention that does not explain away.")
+    monkeypatch.chdir(REPO)
+    rc, err = analyze_cli([f, "--variants", "hnas", "--no-figures", "--u", "0.3", "--u-from",
+                           "checkpoints/enc-hnas", "--out", tmp_path / "out"], capsys)
+    assert rc == 2 and "--u and --u-from are alternatives" in err and "got --u 0.3" in err, err
+    assert not (tmp_path / "out").exists()
+    reliability("--u next to --u-from", "`attnlab analyze t.txt --u 0.3 --u-from checkpoints/enc-hnas`",
+                f"exit {rc} (--u was ignored silently before; fixed): {err}")
+
+
+def test_nan_in_a_models_weights_gives_a_note(tiny_bert, tmp_path, capsys, reliability):
+    import math
+
+    from safetensors.torch import load_file, save_file
+
+    from attnlab import hf
+
+    tensors = load_file(tiny_bert / "model.safetensors")
+    key = next(k for k in tensors if "layer.1." in k and "query.weight" in k)
+    tensors[key][0, 0] = math.nan
+    save_file(tensors, tiny_bert / "model.safetensors", metadata={"format": "pt"})
+    text = "Attention that does not explain away, it keeps a share."
+    f = tmp_path / "t.txt"
+    f.write_text(text)
+    rc, err = analyze_cli([f, "--model", tiny_bert, "--no-figures", "--out", tmp_path / "out"], capsys)
+    line = next((x for x in err.splitlines() if "note: NaN from layer 1 on" in x), None)
+    assert rc == 0 and line is not None, err
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert any(n.startswith("NaN from layer 1 on") for n in manifest["notes"]), manifest["notes"]
+    table = hf.analyze(text, hf.load_model(tiny_bert)).table()
+    notes = table.attrs["notes"]
+    assert len(notes) == 1 and notes[0].startswith("NaN from layer 1 on"), notes
+    assert table.value.isna().any() and not table[table.layer == 0].value.isna().any()
+    reliability("NaN in a model's weights", "`attnlab analyze` and hf.analyze(text, model).table() on a "
+                "tiny BERT with NaN in layer 1's query weights",
+                f"exit 0; a note on stderr, in table.attrs['notes'] and the manifest (none before; fixed): "
+                f"{notes[0]}")
+
+
+def test_special_mass_and_punctuation(minilm, reliability):
+    from attnlab import hf, stats
+
+    text = "The cat sat on the mat, because it was tired."
+    w = hf.analyze(text, minilm).windows[0]
+    table = w.table()
+    unas = table[table.variant == "unas"].set_index(["layer", "head", "statistic"])["value"]
+    special = stats.special_token_mass(w.weights["unas"], w.special).flatten().double()
+    punct = stats.special_token_mass(w.weights["unas"], w.punctuation).flatten().double()
+    got_s, got_p = (unas.xs(s, level="statistic").to_numpy() for s in ("special_mass", "punctuation_mass"))
+    assert abs(got_s - special.numpy()).max() < 2e-5 and abs(got_p - punct.numpy()).max() < 2e-5
+    assert bool(w.punctuation.any()) and not bool((w.special & w.punctuation).any())
+    reliability("special_mass and punctuation", f"hf.analyze({text!r}).table()",
+                f"special_mass (unas, mean {got_s.mean():.3f}) is the special tokens alone, as "
+                f"docs/STATISTICS.md defines it (it counted punctuation too before; fixed); punctuation_mass "
+                f"(mean {got_p.mean():.3f}) a statistic of its own")
+
+
+# ----------------------------------------------------------------------------------------------
 # Remote code: never executed
 # ----------------------------------------------------------------------------------------------
 
