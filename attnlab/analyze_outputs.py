@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
 import shutil
@@ -52,6 +53,7 @@ def write_all(args, stream, tmp: Path, formats) -> tuple[list[str], list[str]]:
     if save == "all":
         (tmp / "weights").mkdir()
     first: dict = {}
+    skipped: list[int] = []  # windows whose weights were too large to write (said once)
     csv_path = tmp / "statistics.csv"
     tokens = []
     nan_notes: list[str] = []  # one per window whose table holds NaN (attnlab.stats.nan_notes)
@@ -76,7 +78,15 @@ def write_all(args, stream, tmp: Path, formats) -> tuple[list[str], list[str]]:
                     "char_spans": [list(s) for s in w.char_spans],
                 }
             )
-            if save != "none":
+            too_big = _weights_bytes(result) > MAX_WEIGHTS_BYTES
+            if save != "none" and too_big and not skipped:
+                skipped.append(w.index)
+                size = _weights_bytes(result) / 2**30
+                notes.append(f"window {w.index}: its weights are {size:.1f} GiB in float32, over the "
+                             f"{MAX_WEIGHTS_BYTES / 2**30:.0f} GiB that --weights writes: not saved (the "
+                             "statistics cover them; in Python read one head: "
+                             "result.weights[variant][layer, head])")
+            if save != "none" and not too_big:
                 name = "weights.npz" if save == "single" else f"weights/window_{w.index:04d}.npz"
                 arrays = {v: t.numpy() for v, t in result.weights.items()}
                 arrays.update({f"{v}.{name}": t.numpy() for v, maps in result.components.items()
@@ -109,19 +119,32 @@ def write_all(args, stream, tmp: Path, formats) -> tuple[list[str], list[str]]:
     return written, notes
 
 
+# Largest weights --weights writes per window (all variants, float32) and the longest window whose
+# attention maps are drawn (a map has N^2 cells; larger windows get the column-mass figures only).
+MAX_WEIGHTS_BYTES = 2 << 30
+MAX_MAP_TOKENS = 1024
+
+
+def _weights_bytes(result) -> int:
+    return sum(4 * math.prod(tuple(w.shape)) for w in result.weights.values())
+
+
 def figures_of(result, summary, stream) -> dict:
-    """name -> plotly figure: maps of the first window, explained-away fractions over all windows."""
+    """name -> plotly figure: maps of the first window (up to MAX_MAP_TOKENS tokens), explained-away
+    fractions over all windows, column masses of the first window."""
     import numpy as np
 
-    from attnlab import figures, stats
+    from attnlab import figures
 
     L, H = stream.model.n_layers, stream.model.n_heads
     out, masses, fractions = {}, {}, {}
-    for variant, w in result.weights.items():
-        out[f"grid_{variant}"] = figures.attention_grid(
-            w, result.tokens, title=f"{variant}: attention weights by layer and head (window 0)"
-        )
-        masses[variant] = stats.column_mass(w).reshape(-1).numpy()
+    maps = len(result.tokens) <= MAX_MAP_TOKENS
+    for variant, mass in result.column_masses().items():  # streamed windows: no weights held
+        if maps:
+            out[f"grid_{variant}"] = figures.attention_grid(
+                result.weights[variant], result.tokens,
+                title=f"{variant}: attention weights by layer and head (window 0)")
+        masses[variant] = mass.reshape(-1).numpy()
         rows = summary[(summary["variant"] == variant) & (summary["statistic"] == EXPLAINED_AWAY_STATISTIC)]
         fractions[variant] = np.zeros((L, H))
         fractions[variant][rows["layer"].to_numpy(), rows["head"].to_numpy()] = rows["value"].to_numpy()
@@ -133,9 +156,10 @@ def figures_of(result, summary, stream) -> dict:
         masses, len(result.tokens), u=u, title="Column mass per key, every layer and head (window 0)"
     )
     first = next(iter(result.weights))
-    out[f"heatmap_{first}_layer0_head0"] = figures.attention_heatmap(
-        result.weights[first][0, 0], result.tokens, title=f"{first}: layer 0, head 0 (window 0)"
-    )
+    if maps:
+        out[f"heatmap_{first}_layer0_head0"] = figures.attention_heatmap(
+            result.weights[first][0, 0], result.tokens, title=f"{first}: layer 0, head 0 (window 0)"
+        )
     for name in ("phi", "theta"):  # a GAM checkpoint's content and relative-position maps
         maps = result.components.get(first, {})
         if name in maps:
@@ -172,6 +196,10 @@ def write_figures(
             written.append(f"figures/{name}.{fmt}")
     if failed:
         notes.append("figures not written: " + "; ".join(failed))
+    if len(result.tokens) > MAX_MAP_TOKENS:
+        notes.append(f"figures: window 0 has {len(result.tokens):,} tokens, over the {MAX_MAP_TOKENS:,} "
+                     "whose attention maps are drawn: the maps (grid, heatmap) were left out, the "
+                     "column-mass and explained-away figures cover every head")
     return written, notes
 
 

@@ -39,7 +39,10 @@ causal softmax's online row maxima and a second value product; docs/VARIANTS.md 
 analysis on torch's threads (every variant's weights and every row sum the statistics need, in a few
 sweeps over each head's rows; a head whose scores span more than 60 nats in log space,
 ``analysis_wide.h``; the attention output for the capture forward; :func:`analysis_ops`, used by
-``attnlab/hf/compute/fused_sums.py`` and ``attnlab/hf/compute/fused_forward.py``).
+``attnlab/hf/compute/fused_sums.py`` and ``attnlab/hf/compute/fused_forward.py``); and
+``torch.ops.attnlab_hf.causal_heads`` (``analysis_causal.h``, AVX-512 builds), the row sums of unas,
+causal dnas and hnas of one causal layer (grouped-query heads, sliding window, softcap) for the
+streamed analysis of masked windows (``attnlab/hf/compute/streamed.py``).
 
 Building needs a C++ compiler (``g++``; scripts/install.sh installs it) and ninja (the ``ninja`` PyPI
 package, in requirements.txt); the build takes about 20 s once and is cached per source, flags and

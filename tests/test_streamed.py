@@ -210,3 +210,64 @@ def test_sliding_window_and_softcap_models_equal_eager_attention(arch, tiny_mode
     for v in ALL:
         for layer in range(len(attentions)):
             assert torch.allclose(win.weights[v][layer], ref[v][layer, 0], atol=1e-5), (v, layer)
+
+
+def _kernel_ops():
+    from attnlab import kernels
+
+    ops = kernels.analysis_ops()
+    return getattr(ops, "causal_heads", None) if ops is not None else None
+
+
+@pytest.mark.parametrize("case", ["gqa", "mha", "mqa", "sliding", "softcap_sliding", "mask_tensor",
+                                  "long_rows"])
+def test_causal_kernel_equals_the_pytorch_tiles(case, monkeypatch):
+    """attnlab's causal analysis kernel (analysis_causal.h) against the PyTorch tiles it replaces,
+    which the tests above hold to the materialized reference: every row sum of unas, dnas, hnas (u per
+    head, 0 and 1 included) and one-round Sinkhorn."""
+    if _kernel_ops() is None:
+        pytest.skip("attnlab's causal analysis kernel is not built here (needs AVX-512)")
+    N = 301 if case == "long_rows" else 67
+    kw = {"gqa": {}, "mha": dict(Hkv=4), "mqa": dict(Hkv=1), "sliding": dict(window=9),
+          "softcap_sliding": dict(softcap=2.5, window=20, scale=1.5), "long_rows": {}}.get(case, {})
+    if case == "mask_tensor":  # transformers' own causal mask tensor: the kernel checks it is plain
+        i, j = torch.arange(N)[:, None], torch.arange(N)[None, :]
+        kw = dict(mask=(j <= i)[None], window=None)
+    layers = [_layer(seed=s, N=N, **kw) for s in range(2)]
+    if case == "mask_tensor":
+        assert streamed.plain_causal(layers[0])
+    variants = ("unas", "dnas", "hnas", "sinkhorn", "softmax1")
+    u = torch.tensor([[0.0, 0.3, 0.7, 1.0], [0.5, 0.5, 0.2, 0.9]])
+    params = {v: check_params(v, {"u": u}, causal=True) for v in variants}
+    special = torch.zeros(N, dtype=torch.bool)
+    special[[0, 3, N - 1]] = True
+    specials = [special, ~special]
+    got = streamed.stream_sums(layers, variants, params, specials)
+    monkeypatch.setattr(streamed, "_USE_KERNEL", False)
+    want = streamed.stream_sums(layers, variants, params, specials)
+    for v in variants:
+        for name, t in want[v].items():
+            if t is None:
+                assert got[v][name] is None
+                continue
+            gap = (got[v][name] - t).abs().max()
+            assert torch.allclose(got[v][name], t, atol=3e-5, rtol=1e-4), (v, name, gap)
+
+
+def test_causal_kernel_leaves_other_masks_and_nan_to_the_exact_path(monkeypatch):
+    """A mask that is not plain causal is never given to the kernel; NaN scores make it hand the layer
+    back (redo), so the NaN rule of docs/DESIGN.md §4 holds on the kernel path too."""
+    if _kernel_ops() is None:
+        pytest.skip("attnlab's causal analysis kernel is not built here (needs AVX-512)")
+    N = 40
+    g = torch.Generator().manual_seed(1)
+    i, j = torch.arange(N)[:, None], torch.arange(N)[None, :]
+    odd = (j <= i) & (torch.rand(N, N, generator=g) > 0.2) | (i == j)
+    assert not streamed.plain_causal(_layer(N=N, mask=odd[None]))
+    assert not streamed.plain_causal(_layer(N=N, causal=False))
+    layer = _layer(N=N)
+    layer.query[1, 7, 0] = float("nan")  # one NaN query row in head 1
+    params = {v: check_params(v, {}, causal=True) for v in ("unas", "dnas")}
+    got = streamed.stream_sums([layer], ("unas", "dnas"), params, None)
+    assert torch.isnan(got["unas"]["entropy"][1, 7]) and torch.isnan(got["dnas"]["cols"][1]).any()
+    assert torch.isfinite(got["unas"]["entropy"][0]).all()

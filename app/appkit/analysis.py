@@ -165,13 +165,21 @@ def _plan(
         iters = None  # the slider left at its default: the causal rule's 1 (more rounds are refused)
     # statistics=False: the pages take their statistics from the weights they read, and a variant's
     # weights are computed when first read (Inspect, showing one variant, computes one)
-    plan = hf.stream_analysis(text, model, variants, mode, u, iters, statistics=False, **dict(extra))
+    # the pages draw every head's whole (N, N) map: a causal model's windows are capped at the view
+    # window (the library's default for it is the whole context, which the views cannot draw yet)
+    window = min(model.info.max_length, VIEW_WINDOW) if model.info.causal else None
+    plan = hf.stream_analysis(text, model, variants, mode, u, iters, window=window, statistics=False,
+                              **dict(extra))
     limit = max_text_tokens()
     if plan.windowing.n_tokens > limit:  # bounded work per session: one text, at most this many tokens
         raise ValueError(f"the text has {plan.windowing.n_tokens:,} tokens for this model; the app analyses "
                          f"up to {limit:,} per text (ATTNLAB_APP_MAX_TOKENS; use `attnlab analyze FILE.txt` "
                          "for longer texts)")
     return plan
+
+
+# Tokens per window of a causal model in the app (its pages draw every head's (N, N) map).
+VIEW_WINDOW = 512
 
 
 def max_text_tokens() -> int:

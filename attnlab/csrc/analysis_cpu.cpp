@@ -47,6 +47,7 @@
 // alpha_u, ln x_v likewise), so each logarithm term costs one logarithm: ln m for HNAS (m = h / p_u
 // = 1 - u + u x_d) and one per Jensen-Shannon sum (js_terms_x), none on AVX-512, where js_terms_x
 // reads a table of chi(ln x) (analysis_vec.h).
+#include "analysis_causal.h"
 #include "analysis_head.h"
 #include "analysis_wide.h"
 #include "kernel_common.h"
@@ -458,6 +459,12 @@ TORCH_LIBRARY(attnlab_hf, m) {
         "Tensor(f!) beta, Tensor(g!) cols, Tensor(h!) dn_rows, Tensor(i!) sk_rows, Tensor(j!) stats, "
         "bool js_dnas, bool js_hnas, bool js_sinkhorn, bool hnas, bool sinkhorn, Tensor? v=None, "
         "Tensor(m!)? out=None, bool analyse=True) -> Tensor");
+  m.def("causal_heads(Tensor q, Tensor k, float scale, float softcap, int window, Tensor u, Tensor spec_t, "
+        "Tensor(a!) cols, Tensor(b!) rowsum, Tensor(c!) entropy, Tensor(d!) distance, Tensor(e!) special, "
+        "Tensor(f!) js) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(attnlab_hf, CPU, m) { m.impl("heads", &heads); }
+TORCH_LIBRARY_IMPL(attnlab_hf, CPU, m) {
+  m.impl("heads", &heads);
+  m.impl("causal_heads", &causal_heads);
+}

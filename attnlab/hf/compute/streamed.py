@@ -24,6 +24,7 @@ of a tile run on torch's threads. Weights are computed only when read, one (laye
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,7 @@ import torch
 
 from attnlab.normalizers import attention_weights, variant_spec
 from attnlab.normalizers import functions as fn
+from attnlab.stats._checks import LN2
 from attnlab.stats.engine import row_sums_dict
 
 __all__ = ["TILE_BYTES", "LayerInputs", "StreamedWindow", "Tile", "stream_rule", "visit_tiles", "stream_sums",
@@ -113,6 +115,35 @@ class LayerInputs:
         if self.sliding_window:
             ok = ok & (i - j < self.sliding_window)
         return ok
+
+
+_PLAIN: dict = {}  # (id(mask), window) -> (mask, bool): masks checked to be plain causal (+ window)
+
+
+def plain_causal(inputs: LayerInputs) -> bool:
+    """Whether the layer's allowed keys are exactly j <= i (and i - j < sliding_window when it has one),
+    with no other mask: what the causal analysis kernel computes. A mask tensor is compared once per
+    object (transformers shares one between layers)."""
+    if not inputs.causal or inputs.query.shape[1] != inputs.key.shape[1]:
+        return False
+    if inputs.mask is None:
+        return True
+    key = (id(inputs.mask), inputs.sliding_window)
+    hit = _PLAIN.get(key)
+    if hit is None or hit[0] is not inputs.mask:
+        m = inputs.mask.reshape(-1, *inputs.mask.shape[-2:])
+        n = inputs.key.shape[1]
+        ok = m.shape[0] == 1 and tuple(m.shape[-2:]) == (n, n)
+        if ok:
+            i, j = torch.arange(n, device=m.device)[:, None], torch.arange(n, device=m.device)[None, :]
+            want = j <= i
+            if inputs.sliding_window:
+                want &= i - j < inputs.sliding_window
+            ok = bool(torch.equal(m[0], want))
+        if len(_PLAIN) > 8:
+            _PLAIN.clear()
+        hit = _PLAIN[key] = (inputs.mask, ok)
+    return hit[1]
 
 
 def _tile_rows(inputs: LayerInputs, heads: int, n_buffers: int) -> int:
@@ -230,9 +261,11 @@ class Tile:
 
 def visit_tiles(layers: Sequence[LayerInputs], variants: Sequence[str],
                 params: Mapping[str, Mapping[str, Any]],
-                visit: Callable[[Tile], None], progress: Callable[[int], None] | None = None) -> None:
+                visit: Callable[[Tile], None], progress: Callable[[int], None] | None = None,
+                first_layer: int = 0) -> None:
     """Call ``visit`` on every tile of every variant's weights over the window's layers and heads, in
-    bounded memory (module docstring); ``progress(layers done)`` after each layer."""
+    bounded memory (module docstring); ``progress(layers done)`` after each layer. ``layers`` are the
+    window's layers from ``first_layer`` on (their maps, per-layer parameters and tiles numbered so)."""
     H, N = layers[0].query.shape[0], layers[0].key.shape[1]
     causal = any(x.causal for x in layers)
     rules = {v: stream_rule(v, params[v], causal) for v in variants}
@@ -241,7 +274,7 @@ def visit_tiles(layers: Sequence[LayerInputs], variants: Sequence[str],
     if ref is not None and ref not in tiled:
         tiled.insert(0, ref)
     mixed = [v for v in variants if variant_spec(v).normalizer is fn.hnas]
-    for layer, inputs in enumerate(layers):
+    for layer, inputs in enumerate(layers, start=first_layer):
         R = inputs.group
         u = _layer_u(params[mixed[0]]["u"], layer, H).to(inputs.query.device) if mixed else None
         rows = _tile_rows(inputs, R, _LIVE + len(tiled))
@@ -268,7 +301,7 @@ def visit_tiles(layers: Sequence[LayerInputs], variants: Sequence[str],
                 r = None if ref is None else head_weights(inputs, layer, h, ref, params)[None]
                 visit(Tile(v, layer, slice(layer * H + h, layer * H + h + 1), 0, N, 0, N, w, r))
         if progress is not None:
-            progress(layer + 1)
+            progress(layer + 1 - first_layer)
 
 
 def stream_sums(layers: Sequence[LayerInputs], variants: Sequence[str],
@@ -298,20 +331,109 @@ def stream_sums(layers: Sequence[LayerInputs], variants: Sequence[str],
                "js": None if ref is None or v == ref else torch.zeros(L * H, N, device=dev)}
            for v in variants}
     parts: dict = {}  # the last tile's sums by variant (a variant with the very same weights reuses them)
+    slots = _kernel_slots(variants, params, any(x.causal for x in layers))
+    kernel = _causal_kernel() if slots else None
 
     def visit(t: Tile) -> None:
-        if t.same_as is not None and t.same_as in parts:
-            part = parts[t.same_as]
+        where = (t.maps.start, t.i0, t.lo)
+        if t.same_as is not None and parts.get(t.same_as, (None,))[0] == where:
+            part = parts[t.same_as][1]
         else:
             dist = (torch.arange(t.i0, t.i1, device=dev, dtype=torch.float32)[:, None]
                     - torch.arange(t.lo, t.hi, device=dev, dtype=torch.float32)[None, :]).abs_()
             part = row_sums_dict(t.weights, None if spec is None else spec[t.lo:t.hi], dist,
                                  None if t.variant == ref else t.reference)
-        parts[t.variant] = part
+        parts[t.variant] = (where, part)
         _add(out[t.variant], t.maps, t.i0, t.i1, t.lo, t.hi, part)
 
-    visit_tiles(layers, variants, params, visit, progress)
+    if kernel is None:
+        visit_tiles(layers, variants, params, visit, progress)
+        return out
+    rest = [v for v in variants if v not in slots]
+    for layer, inputs in enumerate(layers):
+        done = _kernel_layer(kernel, inputs, layer, slots, params, spec, out, H)
+        todo = rest if done else list(variants)
+        if todo:  # the other variants (and a layer the kernel left) stream in PyTorch
+            keep = [*todo] if ref is None or ref in todo else [ref, *todo]
+            visit_tiles([inputs], keep, params, functools.partial(_only, set(todo), visit), first_layer=layer)
+        if progress is not None:
+            progress(layer + 1)
     return out
+
+
+def _only(wanted: set, visit: Callable[[Tile], None], t: Tile) -> None:
+    if t.variant in wanted:
+        visit(t)
+
+
+def _causal_kernel():
+    """attnlab's causal analysis op (``torch.ops.attnlab_hf.causal_heads``), or None (kernels off or
+    not built, no AVX-512, or ``_USE_KERNEL`` False)."""
+    if not _USE_KERNEL:
+        return None
+    from attnlab import kernels
+
+    ops = kernels.analysis_ops()
+    return getattr(ops, "causal_heads", None) if ops is not None else None
+
+
+_USE_KERNEL = True  # tests switch it off to compare with the PyTorch tiles
+
+# The kernel's slots: unas, causal dnas (and one-round Sinkhorn, the same weights), hnas.
+_SLOT = {fn.unas: 0, fn.dnas: 1, fn.sinkhorn: 1, fn.hnas: 2}
+
+
+def _kernel_slots(variants, params, causal: bool) -> dict[str, int]:
+    """variant -> its slot in the causal kernel, for the variants it computes (at most one HNAS)."""
+    if not causal:
+        return {}
+    out, hnas = {}, 0
+    for v in variants:
+        normalizer = variant_spec(v).normalizer
+        slot = _SLOT.get(normalizer)
+        if slot == 2:
+            hnas += 1
+            if hnas > 1:
+                continue
+        if slot is not None:
+            out[v] = slot
+    return out
+
+
+def _kernel_layer(kernel, inputs: LayerInputs, layer: int, slots: Mapping[str, int], params, spec, out,
+                  H: int) -> bool:
+    """One layer's row sums of the ``slots`` variants by the causal kernel, into ``out``; False when the
+    layer is not one it computes (not a plain causal or sliding-window mask, not float32 on the CPU,
+    more than 8 key masks) or some head needs the exact path (then nothing is written)."""
+    q, k = inputs.query, inputs.key
+    if (q.device.type != "cpu" or q.dtype != torch.float32 or k.dtype != torch.float32
+            or not plain_causal(inputs) or (spec is not None and spec.shape[-1] > 8)):
+        return False
+    N = k.shape[1]
+    S = 0 if spec is None else spec.shape[-1]
+    mixed = [v for v, s in slots.items() if s == 2]
+    u = _layer_u(params[mixed[0]]["u"], layer, H).reshape(H).float().contiguous() if mixed else torch.zeros(H)
+    spec_t = torch.zeros(0, N) if spec is None else spec.t().float().contiguous()
+    cols, rowsum, entropy, distance = (torch.zeros(3, H, N) for _ in range(4))
+    special, js = torch.zeros(3, H, N, S), torch.zeros(2, H, N)
+    redo = kernel(q.contiguous(), k.contiguous(), float(inputs.scale), float(inputs.softcap or 0.0),
+                  int(inputs.sliding_window or 0), u, spec_t, cols, rowsum, entropy, distance, special, js)
+    if bool(redo.any()):
+        return False
+    maps = slice(layer * H, (layer + 1) * H)
+    for v, slot in slots.items():
+        acc = out[v]
+        acc["cols"][maps] = cols[slot]
+        acc["rowsum"][maps], acc["entropy"][maps] = rowsum[slot], entropy[slot]
+        acc["distance"][maps] = distance[slot]
+        if acc["special"] is not None:
+            acc["special"][maps] = special[slot]
+        if acc["js"] is not None:
+            if slot == 0:
+                acc["js"][maps] = 0.0
+            else:  # twice the JS divergence in nats -> the JS distance in bits, as row_sums_dict
+                acc["js"][maps] = js[slot - 1].div(2.0 * LN2).clamp_(0.0, 1.0).sqrt_()
+    return True
 
 
 def stream_sink_sums(layers: Sequence[LayerInputs], variants: Sequence[str],
