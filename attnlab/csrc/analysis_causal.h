@@ -38,6 +38,22 @@ constexpr bool kCausalHeads = true;
 
 constexpr int64_t kCausalRows = 32;  // rows per score block: 32 x 8192 floats = 1 MiB
 
+// exp_nonpos (kernel_common.h) on 16 lanes: 2^n 2^f, the same polynomial, 2^n by scalef; 0 below -87.
+inline __m512 vexp_nonpos(__m512 x) {
+  const __m512 t =
+      _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(-126.f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ), _mm512_scalef_ps(p, n));
+}
+
 struct CausalLayer {
   const float *q, *k, *u, *spec;
   float *cols, *rowsum, *entropy, *distance, *special, *js;
@@ -73,29 +89,33 @@ inline bool causal_head(const CausalLayer& L, int64_t h) {
       }
       const float mx = row_max(s, w);
       if (!std::isfinite(mx)) return false;
-      float zs = 0.f, sx = 0.f, r = 0.f;
+      // pass A, 16 keys at a time (lanes past the row masked: no column state of a later key changes)
+      const __m512 amx = _mm512_set1_ps(mx), one = _mm512_set1_ps(1.f), zero = _mm512_setzero_ps();
+      __m512 vzs = zero, vsx = zero, vr = zero;
       float *mj = m.data() + lo, *zj = z.data() + lo;
-      for (int64_t j = 0; j < w; ++j) {  // pass A
-        const float x = s[j] - mx;
-        const float ej = exp_nonpos(x);
-        e[j] = ej;
-        zs += ej;
-        sx += ej * x;
-        const float d = s[j] - mj[j];
-        const bool up = d > 0.f;
-        const float ed = exp_nonpos(up ? -d : d);
-        const float znj = up ? zj[j] * ed + 1.f : zj[j] + ed;
-        const float p = (up ? 1.f : ed) / znj;
-        zj[j] = znj;
-        mj[j] = up ? s[j] : mj[j];
-        pv[j] = p;
-        lp[j] = up ? 0.f : d;  // ln P = lp - ln z
-        zn[j] = znj;
-        r += p;
-      }
-      if (!(r > 1e-30f) || !std::isfinite(sx)) return false;
       const int64_t wp = (w + V - 1) / V * V;
-      for (int64_t j = w; j < wp; ++j) e[j] = pv[j] = lp[j] = 0.f, zn[j] = 1.f;
+      for (int64_t j = 0; j < wp; j += V) {
+        const __mmask16 in = j + V <= w ? __mmask16(0xFFFF) : __mmask16((1u << (w - j)) - 1u);
+        const __m512 sv = _mm512_maskz_loadu_ps(in, s + j), x = _mm512_sub_ps(sv, amx);
+        const __m512 ev = _mm512_maskz_mov_ps(in, vexp_nonpos(x));
+        vzs = _mm512_add_ps(vzs, ev);
+        vsx = _mm512_fmadd_ps(ev, x, vsx);
+        const __m512 mv = _mm512_maskz_loadu_ps(in, mj + j), zv = _mm512_maskz_loadu_ps(in, zj + j);
+        const __m512 d = _mm512_sub_ps(sv, mv);
+        const __mmask16 up = _mm512_cmp_ps_mask(d, zero, _CMP_GT_OQ) & in;
+        const __m512 ed = vexp_nonpos(_mm512_sub_ps(zero, _mm512_abs_ps(d)));  // e^{-|d|}
+        const __m512 zn_ = _mm512_mask_blend_ps(up, _mm512_add_ps(zv, ed), _mm512_fmadd_ps(zv, ed, one));
+        const __m512 pj = _mm512_maskz_div_ps(in, _mm512_mask_blend_ps(up, ed, one), zn_);
+        _mm512_mask_storeu_ps(zj + j, in, zn_);
+        _mm512_mask_storeu_ps(mj + j, up, sv);
+        _mm512_storeu_ps(e.data() + j, ev);
+        _mm512_storeu_ps(pv.data() + j, pj);
+        _mm512_storeu_ps(lp.data() + j, _mm512_maskz_mov_ps(in & ~up, d));  // ln P = lp - ln z
+        _mm512_storeu_ps(zn.data() + j, _mm512_mask_blend_ps(in, one, zn_));
+        vr = _mm512_add_ps(vr, pj);
+      }
+      const float zs = _mm512_reduce_add_ps(vzs), sx = _mm512_reduce_add_ps(vsx), r = _mm512_reduce_add_ps(vr);
+      if (!(r > 1e-30f) || !std::isfinite(sx)) return false;
       const float lz = std::log(zs), lr = std::log(r), iz = 1.f / zs, ir = 1.f / r;
       const Vec viz(iz), vir(ir), vlz(lz), vlr(lr), vmx(mx), vu(uh), vu1(1.f - uh), tiny(1e-37f);
       Vec rs_u(0.f), rs_d(0.f), rs_h(0.f), di_u(0.f), di_d(0.f), di_h(0.f), en_d(0.f), en_h(0.f), js_d(0.f),
