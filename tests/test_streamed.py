@@ -271,3 +271,32 @@ def test_causal_kernel_leaves_other_masks_and_nan_to_the_exact_path(monkeypatch)
     got = streamed.stream_sums([layer], ("unas", "dnas"), params, None)
     assert torch.isnan(got["unas"]["entropy"][1, 7]) and torch.isnan(got["dnas"]["cols"][1]).any()
     assert torch.isfinite(got["unas"]["entropy"][0]).all()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_the_causal_kernel_runs_inside_the_capture_forward(arch, tiny_model_dir, english_text, monkeypatch):
+    """Every layer of a causal window goes through the kernel during the capture forward (its attention
+    output in place of SDPA's), and the statistics equal those of a forward without the hook."""
+    if _kernel_ops() is None:
+        pytest.skip("attnlab's causal analysis kernel is not built here (needs AVX-512)")
+    from attnlab import hf
+    from attnlab.hf.compute import causal_forward, weights
+
+    taken = []
+    original = causal_forward.CausalLayerwise.__call__
+
+    def spy(self, layer, *args):
+        out = original(self, layer, *args)
+        taken.append((layer, out is not None or args[-2]))  # (layer, took it: an output, or the last layer)
+        return out
+
+    monkeypatch.setattr(causal_forward.CausalLayerwise, "__call__", spy)
+    loaded = hf.load_model(tiny_model_dir(arch))
+    got = hf.analyze(english_text[:300], loaded).windows[0].table()
+    assert taken and all(ok for _, ok in taken), taken
+    monkeypatch.setattr(weights, "_causal_layerwise", lambda *a, **k: None)  # SDPA, then the kernel after
+    want = hf.analyze(english_text[:300], loaded).windows[0].table()
+    both = got.merge(want, on=["variant", "layer", "head", "statistic"], suffixes=("", "_ref"))
+    assert len(both) == len(want)
+    gap = (both.value - both.value_ref).abs()
+    assert (gap <= 1e-4).all(), both[gap > 1e-4]

@@ -5,13 +5,15 @@
 //
 //   causal_heads(q (H, N, D), k (H_kv, N, D), scale, softcap, window, u (H), spec_t (S, N),
 //                cols (3, H, N), rowsum (3, H, N), entropy (3, H, N), distance (3, H, N),
-//                special (3, H, N, S), js (2, H, N)) -> redo (H,) bool
+//                special (3, H, N, S), js (2, H, N), v?, out?) -> redo (H,) bool
 //
 // Slots 0, 1, 2 = unas, dnas, hnas; js: twice the Jensen-Shannon divergence in nats of dnas and of
 // hnas to unas, per row. Query head h reads key head h / (H / H_kv) (grouped-query attention). Key j
 // is visible to query i when j <= i and, with window > 0, i - j < window (transformers' sliding
 // window); softcap > 0 caps the scores: s <- softcap tanh(s / softcap). redo marks heads the caller
-// recomputes on its exact path: a non-finite score, or a row whose causal DNAS mass underflowed.
+// recomputes on its exact path: a non-finite score, or a row whose causal DNAS mass underflowed. With v
+// (H_kv, N, Dv) and out (N, H, Dv), also unas' attention output softmax(s) v, for the capture forward
+// (attnlab/hf/compute/causal_forward.py), from the exponentials while a block of rows is in L2.
 //
 // Per head, rows in order (the column states make a head sequential; heads go to torch's threads):
 // a block of kRows rows' scores against the keys they see (BLAS, while in L2), then per row
@@ -60,6 +62,9 @@ struct CausalLayer {
   int64_t H, R, N, D, S;
   float scale, softcap;
   int64_t window;
+  const float* v = nullptr;  // (H_kv, N, Dv): with out, unas' attention output diag(1 / Z) E v (Eq. 1 v)
+  float* out = nullptr;      // row i of head h at out + i * ldo + h * Dv
+  int64_t Dv = 0, ldo = 0;
 };
 
 // Head h of the layer; false when it has to be recomputed (see redo above).
@@ -68,7 +73,9 @@ inline bool causal_head(const CausalLayer& L, int64_t h) {
   const float* q = L.q + h * N * D;
   const float* k = L.k + (h / L.R) * N * D;
   const float uh = L.u[h];
-  std::vector<float> block(kCausalRows * N), e(NP), pv(NP), lp(NP), zn(NP), m(N, -1e30f), z(N, 1.f);
+  const int64_t ldE = NP;  // a row of the block's exponentials: keys lo0 .. i1 - 1, then V spare lanes
+  std::vector<float> block(kCausalRows * N), eblk(kCausalRows * ldE), pv(NP), lp(NP), zn(NP), m(N, -1e30f),
+      z(N, 1.f), zrow(kCausalRows), ob(L.v ? kCausalRows * L.Dv : 0);
   std::vector<float> cu(NP, 0.f), cd(NP, 0.f), ch(NP, 0.f), spec(S * NP, 0.f);
   for (int64_t s = 0; s < S; ++s) std::copy(L.spec + s * N, L.spec + (s + 1) * N, spec.data() + s * NP);
   float lanes[64];
@@ -80,9 +87,11 @@ inline bool causal_head(const CausalLayer& L, int64_t h) {
     const int64_t i1 = std::min(N, i0 + kCausalRows);
     const int64_t lo0 = L.window > 0 ? std::max<int64_t>(0, i0 - L.window + 1) : 0, w0 = i1 - lo0;
     gemm_abt(i1 - i0, w0, D, L.scale, q + i0 * D, D, k + lo0 * D, D, 0.f, block.data(), w0);
+    if (L.v) std::fill(eblk.begin(), eblk.begin() + (i1 - i0) * ldE, 0.f);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t lo = L.window > 0 ? std::max<int64_t>(0, i - L.window + 1) : 0, w = i - lo + 1;
       float* s = block.data() + (i - i0) * w0 + (lo - lo0);
+      float* e = eblk.data() + (i - i0) * ldE + (lo - lo0);  // (wp <= w + V - 1 floats: inside the row)
       if (L.softcap > 0.f) {
         const float c = L.softcap, ic = 1.f / c;
         for (int64_t j = 0; j < w; ++j) s[j] = c * std::tanh(s[j] * ic);
@@ -108,7 +117,7 @@ inline bool causal_head(const CausalLayer& L, int64_t h) {
         const __m512 pj = _mm512_maskz_div_ps(in, _mm512_mask_blend_ps(up, ed, one), zn_);
         _mm512_mask_storeu_ps(zj + j, in, zn_);
         _mm512_mask_storeu_ps(mj + j, up, sv);
-        _mm512_storeu_ps(e.data() + j, ev);
+        _mm512_storeu_ps(e + j, ev);
         _mm512_storeu_ps(pv.data() + j, pj);
         _mm512_storeu_ps(lp.data() + j, _mm512_maskz_mov_ps(in & ~up, d));  // ln P = lp - ln z
         _mm512_storeu_ps(zn.data() + j, _mm512_mask_blend_ps(in, one, zn_));
@@ -116,6 +125,7 @@ inline bool causal_head(const CausalLayer& L, int64_t h) {
       }
       const float zs = _mm512_reduce_add_ps(vzs), sx = _mm512_reduce_add_ps(vsx), r = _mm512_reduce_add_ps(vr);
       if (!(r > 1e-30f) || !std::isfinite(sx)) return false;
+      zrow[i - i0] = zs;
       const float lz = std::log(zs), lr = std::log(r), iz = 1.f / zs, ir = 1.f / r;
       const Vec viz(iz), vir(ir), vlz(lz), vlr(lr), vmx(mx), vu(uh), vu1(1.f - uh), tiny(1e-37f);
       Vec rs_u(0.f), rs_d(0.f), rs_h(0.f), di_u(0.f), di_d(0.f), di_h(0.f), en_d(0.f), en_h(0.f), js_d(0.f),
@@ -125,7 +135,7 @@ inline bool causal_head(const CausalLayer& L, int64_t h) {
         for (int64_t b = 0; b < S; ++b) sp[a][b] = Vec(0.f);
       const float base = float(i - lo);
       for (int64_t j = 0; j < wp; j += V) {  // pass B
-        const Vec p = Vec::loadu(e.data() + j) * viz;
+        const Vec p = Vec::loadu(e + j) * viz;
         const Vec pd = Vec::loadu(pv.data() + j) * vir;
         const Vec ph = at::vec::fmadd(vu1, p, vu * pd);
         const int64_t c = lo + j;
@@ -158,6 +168,15 @@ inline bool causal_head(const CausalLayer& L, int64_t h) {
       for (int64_t a = 0; a < 3; ++a)
         for (int64_t b = 0; b < S; ++b) L.special[((a * L.H + h) * N + i) * S + b] = sum_of(sp[a][b]);
     }
+    if (L.v) {  // the block's attention output: (E v) / Z row by row, from the exponentials while in L2
+      const int64_t ni = i1 - i0, Dv = L.Dv;
+      gemm_ab(ni, Dv, w0, eblk.data(), ldE, L.v + ((h / L.R) * N + lo0) * Dv, Dv, ob.data(), Dv);
+      for (int64_t r = 0; r < ni; ++r) {
+        const float iz = 1.f / zrow[r];
+        float* o = L.out + (i0 + r) * L.ldo + h * Dv;
+        for (int64_t d = 0; d < Dv; ++d) o[d] = ob[r * Dv + d] * iz;
+      }
+    }
   }
   std::copy(cu.begin(), cu.begin() + N, out(L.cols, 0));
   std::copy(cd.begin(), cd.begin() + N, out(L.cols, 1));
@@ -170,7 +189,8 @@ constexpr bool kCausalHeads = false;
 
 at::Tensor causal_heads(const at::Tensor& q, const at::Tensor& k, double scale, double softcap, int64_t window,
                         const at::Tensor& u, const at::Tensor& spec_t, at::Tensor& cols, at::Tensor& rowsum,
-                        at::Tensor& entropy, at::Tensor& distance, at::Tensor& special, at::Tensor& js) {
+                        at::Tensor& entropy, at::Tensor& distance, at::Tensor& special, at::Tensor& js,
+                        const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& out) {
   TORCH_CHECK(kCausalHeads, "causal_heads: built without AVX-512 (the caller streams in PyTorch)");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
                   q.is_contiguous() && k.is_contiguous() && q.size(1) == k.size(1) && q.size(2) == k.size(2) &&
@@ -194,6 +214,17 @@ at::Tensor causal_heads(const at::Tensor& q, const at::Tensor& k, double scale, 
                 cols.data_ptr<float>(), rowsum.data_ptr<float>(), entropy.data_ptr<float>(),
                 distance.data_ptr<float>(), special.data_ptr<float>(), js.data_ptr<float>(),
                 H, H / k.size(0), N, q.size(2), S, float(scale), float(softcap), window};
+  const bool attend = v.has_value() && v->defined();
+  TORCH_CHECK(attend == (out.has_value() && out->defined()), "causal_heads: v and out go together");
+  if (attend) {
+    TORCH_CHECK(v->dim() == 3 && v->size(0) == k.size(0) && v->size(1) == N && v->is_contiguous() &&
+                    v->scalar_type() == at::kFloat, "causal_heads: v must be contiguous float32 (H_kv, N, Dv), got ",
+                v->sizes());
+    TORCH_CHECK(out->dim() == 3 && out->size(0) == N && out->size(1) == H && out->size(2) == v->size(2) &&
+                    out->stride(2) == 1 && out->stride(1) == v->size(2) && out->scalar_type() == at::kFloat,
+                "causal_heads: out must be float32 (N, H, Dv) with heads adjacent, got ", out->sizes());
+    L.v = v->data_ptr<float>(), L.out = out->data_ptr<float>(), L.Dv = v->size(2), L.ldo = out->stride(0);
+  }
   bool* bad = redo.data_ptr<bool>();
   at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
     for (int64_t h = h0; h < h1; ++h) bad[h] = !causal_head(L, h);

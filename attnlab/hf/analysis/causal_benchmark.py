@@ -33,7 +33,8 @@ SHAPES = {
                                   num_key_value_heads=4, intermediate_size=2048)),
     "llama-mha": ("LlamaConfig", dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                                       num_key_value_heads=12, intermediate_size=2048)),
-    "gpt2": ("GPT2Config", dict(n_embd=768, n_layer=12, n_head=12, n_inner=2048)),
+    "gpt2": ("GPT2Config", dict(n_embd=768, n_layer=12, n_head=12, n_inner=2048, bos_token_id=0,
+                                eos_token_id=0)),
 }
 
 
@@ -78,7 +79,7 @@ def _rss() -> int:
 
 def peak_growth(directory: str, n: int) -> dict:
     """In this process: load the model, then analyse n tokens (analysis + table) while a thread samples
-    the RSS every 5 ms; -> {"rss_after_load_mib", "peak_growth_mib", "analyse_s"}."""
+    the RSS every 5 ms; -> {"rss_after_load_mib", "peak_growth_mib", "memory_run_s" (that cold run)}."""
     from attnlab import hf
 
     loaded = hf.load_model(directory)
@@ -100,7 +101,7 @@ def peak_growth(directory: str, n: int) -> dict:
     thread.join()
     peak[0] = max(peak[0], _rss())
     return {"rss_after_load_mib": base / 2**20, "peak_growth_mib": (peak[0] - base) / 2**20,
-            "analyse_s": elapsed}
+            "memory_run_s": elapsed}
 
 
 def benchmark_causal(shape: str = "llama", sizes=(512, 2048, 8192), repeats: int = 3, memory: bool = True,

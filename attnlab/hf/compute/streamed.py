@@ -25,7 +25,7 @@ of a tile run on torch's threads. Weights are computed only when read, one (laye
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -304,9 +304,27 @@ def visit_tiles(layers: Sequence[LayerInputs], variants: Sequence[str],
             progress(layer + 1 - first_layer)
 
 
+def new_sums(n_layers: int, n_heads: int, n: int, variants: Sequence[str], spec: torch.Tensor | None,
+             device=None) -> dict:
+    """Zeroed accumulators of :func:`stream_sums`' result for L*H maps of n rows and keys."""
+    G = n_layers * n_heads
+    ref = "unas" if "unas" in variants else None
+    return {v: {"cols": torch.zeros(G, n, device=device),
+                **{f: torch.zeros(G, n, device=device) for f in ("rowsum", "entropy", "distance")},
+                "special": None if spec is None else torch.zeros(G, n, spec.shape[-1], device=device),
+                "js": None if ref is None or v == ref else torch.zeros(G, n, device=device)}
+            for v in variants}
+
+
+def key_masks(specials: Sequence[torch.Tensor] | None, device=None) -> torch.Tensor | None:
+    """(N, S) float32 key masks from S bool (N,) masks (None: none)."""
+    return None if not specials else torch.stack([m.to(device, torch.float32) for m in specials], -1)
+
+
 def stream_sums(layers: Sequence[LayerInputs], variants: Sequence[str],
                 params: Mapping[str, Mapping[str, Any]], specials: Sequence[torch.Tensor] | None,
-                progress: Callable[[int], None] | None = None) -> dict:
+                progress: Callable[[int], None] | None = None, out: dict | None = None,
+                done: Collection[int] = ()) -> dict:
     """Row sums of every variant over the window's L*H maps, streamed (module docstring).
 
     Args:
@@ -315,6 +333,8 @@ def stream_sums(layers: Sequence[LayerInputs], variants: Sequence[str],
             broadcastable to (L, H)).
         specials: S bool (N,) key masks for the special-mass statistics (None: none).
         progress: called with the number of layers done after each layer.
+        out, done: accumulators (``new_sums``) in which the causal kernel already wrote the sums of
+            its variants for the layers ``done`` (attnlab/hf/compute/causal_forward.py).
 
     Returns:
         {variant: row sums in the layout of :func:`attnlab.stats.engine.row_sums_dict` over L*H maps
@@ -323,16 +343,10 @@ def stream_sums(layers: Sequence[LayerInputs], variants: Sequence[str],
     """
     L, (H, N, _) = len(layers), layers[0].query.shape
     dev = layers[0].query.device
-    spec = None if not specials else torch.stack([m.to(dev, torch.float32) for m in specials], -1)  # (N, S)
+    spec = key_masks(specials, dev)  # (N, S)
     ref = "unas" if "unas" in variants else None
-    out = {v: {"cols": torch.zeros(L * H, N, device=dev),
-               **{f: torch.zeros(L * H, N, device=dev) for f in ("rowsum", "entropy", "distance")},
-               "special": None if spec is None else torch.zeros(L * H, N, spec.shape[-1], device=dev),
-               "js": None if ref is None or v == ref else torch.zeros(L * H, N, device=dev)}
-           for v in variants}
+    out = new_sums(L, H, N, variants, spec, dev) if out is None else out
     parts: dict = {}  # the last tile's sums by variant (a variant with the very same weights reuses them)
-    slots = _kernel_slots(variants, params, any(x.causal for x in layers))
-    kernel = _causal_kernel() if slots else None
 
     def visit(t: Tile) -> None:
         where = (t.maps.start, t.i0, t.lo)
@@ -346,13 +360,16 @@ def stream_sums(layers: Sequence[LayerInputs], variants: Sequence[str],
         parts[t.variant] = (where, part)
         _add(out[t.variant], t.maps, t.i0, t.i1, t.lo, t.hi, part)
 
-    if kernel is None:
+    slots = kernel_slots(variants, params, any(x.causal for x in layers))
+    kernel = causal_kernel() if slots else None
+    if kernel is None and not done:
         visit_tiles(layers, variants, params, visit, progress)
         return out
     rest = [v for v in variants if v not in slots]
     for layer, inputs in enumerate(layers):
-        done = _kernel_layer(kernel, inputs, layer, slots, params, spec, out, H)
-        todo = rest if done else list(variants)
+        ok = layer in done or (kernel is not None and kernel_layer(kernel, inputs, layer, slots, params, spec,
+                                                                   out, H))
+        todo = rest if ok else list(variants)
         if todo:  # the other variants (and a layer the kernel left) stream in PyTorch
             keep = [*todo] if ref is None or ref in todo else [ref, *todo]
             visit_tiles([inputs], keep, params, functools.partial(_only, set(todo), visit), first_layer=layer)
@@ -366,7 +383,7 @@ def _only(wanted: set, visit: Callable[[Tile], None], t: Tile) -> None:
         visit(t)
 
 
-def _causal_kernel():
+def causal_kernel():
     """attnlab's causal analysis op (``torch.ops.attnlab_hf.causal_heads``), or None (kernels off or
     not built, no AVX-512, or ``_USE_KERNEL`` False)."""
     if not _USE_KERNEL:
@@ -383,7 +400,7 @@ _USE_KERNEL = True  # tests switch it off to compare with the PyTorch tiles
 _SLOT = {fn.unas: 0, fn.dnas: 1, fn.sinkhorn: 1, fn.hnas: 2}
 
 
-def _kernel_slots(variants, params, causal: bool) -> dict[str, int]:
+def kernel_slots(variants, params, causal: bool) -> dict[str, int]:
     """variant -> its slot in the causal kernel, for the variants it computes (at most one HNAS)."""
     if not causal:
         return {}
@@ -400,11 +417,12 @@ def _kernel_slots(variants, params, causal: bool) -> dict[str, int]:
     return out
 
 
-def _kernel_layer(kernel, inputs: LayerInputs, layer: int, slots: Mapping[str, int], params, spec, out,
-                  H: int) -> bool:
+def kernel_layer(kernel, inputs: LayerInputs, layer: int, slots: Mapping[str, int], params, spec, out,
+                 H: int, v: torch.Tensor | None = None, out_attn: torch.Tensor | None = None) -> bool:
     """One layer's row sums of the ``slots`` variants by the causal kernel, into ``out``; False when the
     layer is not one it computes (not a plain causal or sliding-window mask, not float32 on the CPU,
-    more than 8 key masks) or some head needs the exact path (then nothing is written)."""
+    more than 8 key masks) or some head needs the exact path (then nothing is written). With ``v``
+    (H_kv, N, Dv), also unas' attention output into ``out_attn`` (N, H, Dv)."""
     q, k = inputs.query, inputs.key
     if (q.device.type != "cpu" or q.dtype != torch.float32 or k.dtype != torch.float32
             or not plain_causal(inputs) or (spec is not None and spec.shape[-1] > 8)):
@@ -417,7 +435,8 @@ def _kernel_layer(kernel, inputs: LayerInputs, layer: int, slots: Mapping[str, i
     cols, rowsum, entropy, distance = (torch.zeros(3, H, N) for _ in range(4))
     special, js = torch.zeros(3, H, N, S), torch.zeros(2, H, N)
     redo = kernel(q.contiguous(), k.contiguous(), float(inputs.scale), float(inputs.softcap or 0.0),
-                  int(inputs.sliding_window or 0), u, spec_t, cols, rowsum, entropy, distance, special, js)
+                  int(inputs.sliding_window or 0), u, spec_t, cols, rowsum, entropy, distance, special, js,
+                  v, out_attn)
     if bool(redo.any()):
         return False
     maps = slice(layer * H, (layer + 1) * H)

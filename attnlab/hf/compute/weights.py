@@ -167,7 +167,7 @@ def _recompute_with_sums(loaded, input_ids, attention_mask, variants, given, spe
     scale = [c.scaling for c in captured]
     params = {v: check_params(v, given, causal=causal) for v in variants}
     if streamed_window(captured, valid) and (specials is not None or lazy):  # bounded memory, per head
-        return _streamed(captured, variants, params, specials)
+        return _streamed(captured, variants, params, specials, hook)
     masks = [_layer_mask(c, valid) for c in captured]
     plan = None if causal or any(m is not None for m in masks) else _fused_plan(variants, params)
     if plan is not None:  # every variant from one score matrix per layer, in its slot
@@ -224,11 +224,16 @@ def layer_inputs(captured) -> list[streamed.LayerInputs]:
     return out
 
 
-def _streamed(captured, variants, params, specials):
+def _streamed(captured, variants, params, specials, hook=None):
     """(weights {variant: HeadMaps (L, H, N, N), per head on access}, row sums or None) of one window,
     streamed: no layer's (H, N, N) is held (docs/ANALYSIS.md §8)."""
     window = streamed.StreamedWindow(layer_inputs(captured), variants, params)
-    sums = None if specials is None else streamed.stream_sums(window.layers, variants, params, specials)
+    from attnlab.hf.compute.causal_forward import CausalLayerwise
+
+    # the layers whose kernel sums the capture forward took (attnlab/hf/compute/causal_forward.py)
+    done = hook.done if isinstance(hook, CausalLayerwise) else ()
+    sums = None if specials is None else streamed.stream_sums(
+        window.layers, variants, params, specials, out=hook.out if done else None, done=done)
 
     def head(variant):
         return lambda layer, h: window.head(variant, layer, h)
@@ -360,8 +365,10 @@ def _layerwise(loaded: LoadedModel, input_ids, attention_mask, variants, given, 
     from attnlab.hf.compute.fused_forward import LayerwiseAnalysis
 
     info = loaded.info
-    if info.causal or input_ids.shape[0] != 1 or input_ids.device.type != "cpu":
+    if input_ids.shape[0] != 1 or input_ids.device.type != "cpu":
         return None
+    if info.causal:
+        return _causal_layerwise(info, input_ids, attention_mask, variants, given, specials)
     kernel = kernels.analysis_ops() if _USE_KERNEL else None
     if kernel is None or not bool(attention_mask.bool().all()):
         return None
@@ -376,6 +383,23 @@ def _layerwise(loaded: LoadedModel, input_ids, attention_mask, variants, given, 
     u, iters = _slot_params(plan, params)
     return LayerwiseAnalysis(L, H, N, tuple(plan.values()), _u_per_layer(u, L, H), iters, specials, kernel,
                              workers)
+
+
+def _causal_layerwise(info, input_ids, attention_mask, variants, given, specials):
+    """The capture forward's layer hook for one unpadded window of a causal model on the CPU with the
+    causal analysis kernel (attnlab/hf/compute/causal_forward.py), or None."""
+    from attnlab.hf.compute.causal_forward import CausalLayerwise
+
+    if not bool(attention_mask.bool().all()) or input_ids.shape[1] < 2:
+        return None
+    params = {v: check_params(v, given, causal=True) for v in variants}
+    slots = streamed.kernel_slots(variants, params, True)
+    kernel = streamed.causal_kernel() if slots else None
+    if kernel is None:
+        return None
+    L, H, N = info.n_layers, info.n_heads, input_ids.shape[1]
+    spec = streamed.key_masks(specials)
+    return CausalLayerwise(H, slots, params, spec, streamed.new_sums(L, H, N, variants, spec), kernel)
 
 
 def _lazy_with_sums(qk, scale, plan: Mapping[str, str], u, iters, specials,
