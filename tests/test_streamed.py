@@ -300,3 +300,18 @@ def test_the_causal_kernel_runs_inside_the_capture_forward(arch, tiny_model_dir,
     assert len(both) == len(want)
     gap = (both.value - both.value_ref).abs()
     assert (gap <= 1e-4).all(), both[gap > 1e-4]
+
+
+@pytest.mark.parametrize(("config", "kind"), [("ViTConfig", "a vision"), ("Wav2Vec2Config", "an audio")])
+def test_non_text_models_are_refused_at_load_with_words(config, kind, tmp_path):
+    """A vision or audio model directory: a worded ModelLoadError naming the architecture (was an
+    AttributeError from a text probe fed to a vision model)."""
+    import transformers
+
+    from attnlab import hf
+
+    cfg = getattr(transformers, config)(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                         intermediate_size=64)
+    transformers.AutoModel.from_config(cfg).save_pretrained(tmp_path)
+    with pytest.raises(hf.ModelLoadError, match=f"is {kind} model; attnlab analyses text models"):
+        hf.load_model(tmp_path)

@@ -160,6 +160,12 @@ def _check_directory(directory: Path) -> dict:
             f"the model in {directory} is an encoder-decoder ({config.get('model_type')}); attnlab analyses "
             "encoder-only and decoder-only models"
         )
+    modality = _non_text(config.get("model_type"))
+    if modality is not None:
+        raise ModelLoadError(
+            f"the model in {directory} ({config.get('model_type')}) is {modality} model; attnlab analyses "
+            "text models (encoder-only and decoder-only language models)"
+        )
     files = {p.name for p in directory.iterdir()}
     if not any(name.endswith(".safetensors") or name == "model.safetensors.index.json" for name in files):
         pickles = sorted(name for name in files if name.endswith(_PICKLE_SUFFIXES))
@@ -172,6 +178,35 @@ def _check_directory(directory: Path) -> dict:
         raise ModelLoadError(f"the model in {directory} has no weights file (model.safetensors)")
     check_config_bounds(config, directory)  # before transformers builds anything from it
     return config
+
+
+# transformers' auto mappings by modality: a model_type in one of these and in no text mapping is refused
+_TEXT = ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+         "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES")
+_OTHER = {
+    "a vision": ("MODEL_FOR_IMAGE_MAPPING_NAMES", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+                 "MODEL_FOR_MASKED_IMAGE_MODELING_MAPPING_NAMES",
+                 "MODEL_FOR_VIDEO_CLASSIFICATION_MAPPING_NAMES",
+                 "MODEL_FOR_IMAGE_SEGMENTATION_MAPPING_NAMES"),
+    "an audio": ("MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES", "MODEL_FOR_CTC_MAPPING_NAMES",
+                 "MODEL_FOR_AUDIO_XVECTOR_MAPPING_NAMES",
+                 "MODEL_FOR_AUDIO_FRAME_CLASSIFICATION_MAPPING_NAMES"),
+}
+
+
+def _non_text(model_type) -> str | None:
+    """"a vision" / "an audio" for a model type transformers maps only to image, video or audio heads,
+    else None (text, or unknown: transformers' own error then says why)."""
+    from transformers.models.auto import modeling_auto
+
+    if not isinstance(model_type, str):
+        return None
+    if any(model_type in getattr(modeling_auto, name, {}) for name in _TEXT):
+        return None
+    for modality, names in _OTHER.items():
+        if any(model_type in getattr(modeling_auto, name, {}) for name in names):
+            return modality
+    return None
 
 
 @contextlib.contextmanager
