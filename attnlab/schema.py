@@ -224,7 +224,8 @@ CHECKPOINT_FORMAT = "attnlab-checkpoint/1"  # = attnlab.checkpoint_io.CHECKPOINT
 
 _MODEL_FIELDS = {
     "kind": Field("str", required=False, choices=("encoder", "decoder")),
-    **{name: Field("int", required=name not in ("iters", "pad_id"), low=lo, high=hi)
+    # the sizes every checkpoint writes are required; the rest take ModelConfig's defaults (older files)
+    **{name: Field("int", required=name in ("vocab_size", "d_model", "n_layers"), low=lo, high=hi)
        for name, (lo, hi) in MODEL_LIMITS.items()},
     "variant": Field("str", required=False),  # or a list; ModelConfig checks the names
     "gam_options": Field("object", required=False),
@@ -254,18 +255,22 @@ def check_model_config(model, source, where: str = "model.") -> dict:
         if isinstance(value, list) and len(value) != model["n_layers"]:
             raise SchemaError(f"{source}: {where}{name} must be one value or a list of n_layers="
                               f"{model['n_layers']} values, got a list of {len(value)}")
-    d, ff, layers = model["d_model"], model["d_ff"], model["n_layers"]
+    d, ff, layers = model["d_model"], model.get("d_ff", _DEFAULT["d_ff"]), model["n_layers"]
+    heads, positions = model.get("n_heads", _DEFAULT["n_heads"]), model.get("max_len", _DEFAULT["max_len"])
     brains = (model.get("gam_options") or {}).get("n_brains", 1)
-    per_layer = 4 * d * d + 2 * d * ff + (2 * brains * model["n_heads"] * d * d if model.get("gam") else 0)
-    estimate = (model["vocab_size"] + model["max_len"]) * d + layers * per_layer
+    per_layer = 4 * d * d + 2 * d * ff + (2 * brains * heads * d * d if model.get("gam") else 0)
+    estimate = (model["vocab_size"] + positions) * d + layers * per_layer
     if estimate > MAX_MODEL_PARAMETERS:
         raise SchemaError(
             f"{source}: {where[:-1] or 'model'} describes about {estimate:,} parameters (n_layers={layers}, "
-            f"d_model={d}, d_ff={ff}, vocab_size={model['vocab_size']}, max_len={model['max_len']}); "
+            f"d_model={d}, d_ff={ff}, vocab_size={model['vocab_size']}, max_len={positions}); "
             f"expected at most {MAX_MODEL_PARAMETERS:,}"
         )
     return model
 
+
+# ModelConfig's defaults of the optional sizes (attnlab/models.py; not imported: schema imports no torch)
+_DEFAULT = {"d_ff": 256, "n_heads": 4, "max_len": 128}
 
 _TOKENIZER_FIELDS = {"kind": Field("str", choices=("byte", "wordpiece")),
                      "vocab_file": Field("str", required=False)}

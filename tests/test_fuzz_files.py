@@ -482,3 +482,15 @@ def test_app_model_paths_outside_the_roots_are_refused(path, tmp_path_factory):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def test_model_sizes_with_defaults_may_be_left_out():
+    """d_ff, n_heads and max_len take ModelConfig's defaults when a checkpoint leaves them out (the
+    sizes every checkpoint writes, vocab_size, d_model and n_layers, are required)."""
+    from attnlab.models import ModelConfig
+    from attnlab.schema import _DEFAULT, check_model_config
+
+    model = {"vocab_size": 16, "d_model": 8, "n_layers": 1}
+    assert check_model_config(model, "config.json") is model
+    defaults = ModelConfig()
+    assert _DEFAULT == {name: getattr(defaults, name) for name in _DEFAULT}
