@@ -17,6 +17,10 @@ Public surface::
     with hf.use_variant(loaded.model, "dnas"):  # swap a variant into any supported HF model
         loaded.model(**batch, output_attentions=True)
 
+Corpus-scale analysis lives one level up, in ``attnlab.corpus.analyze_corpus`` (it calls this package's
+``load_model`` and ``stream_analysis``; ``hf.analyze_corpus``, its old re-export here, is gone so that
+nothing here imports the corpus atlas).
+
 Importing this package registers ``attnlab_<variant>`` (and ``attnlab_capture``) with transformers'
 ``AttentionInterface`` and ``AttentionMaskInterface``. Nothing here reaches a model hub.
 """
@@ -61,23 +65,6 @@ from attnlab.hf.load.loading import (  # noqa: E402
 from attnlab.hf.load.native import NativeModel, capture_attention_inputs, load_native  # noqa: E402
 
 REGISTERED = register_attention_functions()
-
-
-def __getattr__(name):
-    """``hf.analyze_corpus``: the old name of :func:`attnlab.corpus.analyze_corpus`, kept as an alias.
-    The corpus atlas sits above this package (it calls ``load_model`` and ``stream_analysis``), so the
-    alias resolves on first use and warns; import it from ``attnlab.corpus``."""
-    if name == "analyze_corpus":
-        import importlib
-        import warnings
-
-        warnings.warn(
-            "attnlab.hf.analyze_corpus moved to attnlab.corpus.analyze_corpus",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return importlib.import_module("attnlab.corpus").analyze_corpus
-    raise AttributeError(f"module 'attnlab.hf' has no attribute {name!r}")
 
 
 __all__ = [

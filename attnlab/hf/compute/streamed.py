@@ -120,22 +120,24 @@ class LayerInputs:
         return ok
 
 
-# From this many tokens on, a causal window's analysis fixes glibc's mmap threshold (see bound_allocator).
+# From this many tokens on, ATTNLAB_BOUNDED_MALLOC=1 fixes glibc's mmap threshold (see bound_allocator).
 MALLOC_FROM_TOKENS = 2048
 _MALLOC = {"set": False}
 
 
 def bound_allocator(n_tokens: int) -> None:
-    """Keep the long forward's transient buffers from staying in the heap: glibc raises its mmap threshold
-    each time a large buffer is freed (up to 32 MiB), after which the per-layer buffers of a long
-    window (values, outputs, tiles: 25 MB each at 8,192 tokens) come from the heap and are not
-    returned -- measured: peak RSS 1.7 GiB instead of 1.0 GiB for a 12-layer MHA model at 8,192 tokens.
-    Fixing the threshold and the trim threshold at 1 MiB (mallopt, once per process, Linux/glibc,
-    windows from MALLOC_FROM_TOKENS tokens on) returns them; ``ATTNLAB_MALLOC=0`` leaves glibc alone."""
+    """With ``ATTNLAB_BOUNDED_MALLOC=1``: keep a long forward's transient buffers from staying in the heap.
+    glibc raises its mmap threshold each time a large buffer is freed (up to 32 MiB), after which the
+    per-layer buffers of a long window (values, outputs, tiles: 25 MB each at 8,192 tokens) come from
+    the heap and are not returned. Fixing the mmap and trim thresholds at 1 MiB (mallopt, once per
+    process, Linux/glibc, windows from MALLOC_FROM_TOKENS tokens on) returns them: peak RSS growth 1.0
+    instead of 1.7 GiB for the 12-layer MHA shape at 8,192 tokens -- but every large buffer is then
+    mapped and zeroed anew, which made the plain forward ~1.5x slower at 2,048 tokens (docs/BENCHMARKS.md),
+    hence off by default."""
     if _MALLOC["set"] or n_tokens < MALLOC_FROM_TOKENS or not sys.platform.startswith("linux"):
         return
     _MALLOC["set"] = True
-    if os.environ.get("ATTNLAB_MALLOC", "1") == "0":
+    if os.environ.get("ATTNLAB_BOUNDED_MALLOC", "0") != "1":
         return
     try:
         libc = ctypes.CDLL("libc.so.6")

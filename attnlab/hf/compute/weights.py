@@ -146,7 +146,7 @@ def _recompute_with_sums(loaded, input_ids, attention_mask, variants, given, spe
     model's device.
     """
     if loaded.info.causal and input_ids.device.type == "cpu":
-        streamed.bound_allocator(input_ids.shape[1])  # a long forward's buffers returned, not kept
+        streamed.bound_allocator(input_ids.shape[1])  # ATTNLAB_BOUNDED_MALLOC=1: memory over time
     hook = _layerwise(loaded, input_ids, attention_mask, variants, given, specials)
     # no work after the last q, k; the hook's attention outputs in place of SDPA's where it applies
     with capture_qk(loaded.model, stop_after=loaded.info.n_layers, layer_hook=hook) as captured:
