@@ -734,21 +734,33 @@ def test_a_stale_torch_build_lock_does_not_stop_a_new_process():
 @pytest.mark.slow
 def test_the_js_table_is_the_fit_of_its_script():
     """kChiTable in attnlab/csrc/analysis_vec.h (the AVX-512 analysis kernel's Jensen-Shannon terms)
-    is exactly what scripts/fit_js_table.py fits, and that fit reproduces chi to 5e-7 (relative)."""
-    import importlib.util
+    is what scripts/fit_js_table.py fits (up to the fit's last bits), and it reproduces chi to 5e-7
+    (relative)."""
+    import json
     import pathlib
     import re
+    import subprocess
+    import sys
 
     root = pathlib.Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("fit_js_table", root / "scripts" / "fit_js_table.py")
-    fit = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fit)
     header = (root / "attnlab" / "csrc" / "analysis_vec.h").read_text()
     body = header[header.index("kChiTable[8][16] = {"):]
     body = body[: body.index("};")]
     number = r"(-?[0-9.]+e[-+][0-9]+)f"
     rows = [[float(v) for v in re.findall(number, line)] for line in body.splitlines()[1:]]
-    table = fit.fit()
-    assert len(rows) == table.shape[0] == fit.DEGREE + 1
-    assert torch.equal(torch.tensor(rows, dtype=torch.float32), torch.from_numpy(table))
-    assert fit.max_relative_error(table) < 5e-7
+    # the fit, and the header's table's error, in a fresh interpreter (nothing a worker's earlier tests
+    # set reaches it)
+    code = ("import json, sys, numpy as np, runpy; m = runpy.run_path('scripts/fit_js_table.py'); "
+            "t = m['fit'](); h = np.array(json.loads(sys.stdin.read()), dtype=np.float32); "
+            "print(json.dumps({'table': t.tolist(), 'degree': m['DEGREE'], "
+            "'error': m['max_relative_error'](h)}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, input=json.dumps(rows), capture_output=True,
+                         text=True, check=True)
+    fit = json.loads(out.stdout.strip().splitlines()[-1])
+    table = torch.tensor(fit["table"], dtype=torch.float32)
+    assert len(rows) == table.shape[0] == fit["degree"] + 1
+    # the header's coefficients are the script's fit up to the fit's own last bits, which move with the
+    # numpy (LAPACK) release (seen: the highest-order ones, ~1e-9, 2e-6 apart relative after a fresh
+    # install) -- and they reproduce chi as the fit does
+    assert torch.allclose(torch.tensor(rows, dtype=torch.float32), table, rtol=1e-5, atol=1e-12)
+    assert fit["error"] < 5e-7

@@ -112,8 +112,17 @@ def test_sinkhorn_rounds_and_plugins_stream_one_head_at_a_time(monkeypatch):
     def tempered(logits, ctx):
         return torch.softmax(logits / ctx.t, dim=-1).nan_to_num(0.0)
 
+    from attnlab.normalizers import specs
+
     attnlab.register_variant("tempered_stream_test", tempered, replace=True,
                              params=(attnlab.Param("t", float, 2.0, 0.01, 100.0, "temperature"),))
+    try:
+        _check_plugin()
+    finally:  # later tests in this worker see the registry as it was
+        specs.unregister_variant("tempered_stream_test")
+
+
+def _check_plugin():
     N = 29
     g = torch.Generator().manual_seed(5)
     mask = torch.rand(N, N, generator=g) > 0.2
