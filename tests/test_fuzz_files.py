@@ -42,6 +42,17 @@ def _step(run: Path) -> Path:
     return run / json.loads((run / "latest.json").read_text())["dir"]
 
 
+@pytest.fixture(autouse=True)
+def own_model_caches(monkeypatch):
+    """The model caches swapped for empty ones while a test here runs (its hf.clear_model_cache() empties
+    those): the session's loaded models (the minilm fixture) stay cached for the other tests."""
+    from attnlab.hf.load import loading, native
+
+    monkeypatch.setattr(loading, "_CACHE", {})
+    monkeypatch.setattr(loading, "_DEVICE_CACHE", {})
+    monkeypatch.setattr(native, "_CACHE", {})
+
+
 @pytest.fixture(scope="module")
 def run_copy(tmp_path_factory):
     """A private copy of a shipped checkpoint (configs are rewritten per example, then restored)."""
