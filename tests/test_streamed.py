@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import attnlab
-from attnlab.hf.compute import streamed
+from attnlab.hf.compute import causal_kernel, streamed, tiles
 from attnlab.hf.compute.head_maps import HeadMaps
 from attnlab.normalizers import check_params
 from attnlab.stats.engine import row_sums_dict
@@ -20,11 +20,11 @@ def _layer(seed=0, H=4, Hkv=2, N=37, D=8, causal=True, mask=None, softcap=None, 
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(H, N, D, generator=g) * 2
     k = torch.randn(Hkv, N, D, generator=g) * 2
-    return streamed.LayerInputs(query=q, key=k, mask=mask, causal=causal, scale=scale, softcap=softcap,
+    return tiles.LayerInputs(query=q, key=k, mask=mask, causal=causal, scale=scale, softcap=softcap,
                                 sliding_window=window)
 
 
-def _reference(inputs: streamed.LayerInputs, variant, params):
+def _reference(inputs: tiles.LayerInputs, variant, params):
     """(H, N, N) by attnlab.attention_weights on the whole materialized score matrix."""
     R = inputs.group
     k = inputs.key.repeat_interleave(R, 0)  # (H, N, D)
@@ -78,7 +78,7 @@ def _u(p, layer):
 @pytest.mark.parametrize("case", ["causal", "sliding", "softcap", "mqa", "mha", "bidirectional_mask",
                                   "bidirectional_sliding", "padded_queries"])
 def test_streamed_sums_equal_the_materialized_reference(case, monkeypatch):
-    monkeypatch.setattr(streamed, "TILE_BYTES", 4 * 4 * 37 * 9)  # tiles of 16 rows: several per head
+    monkeypatch.setattr(tiles, "TILE_BYTES", 4 * 4 * 37 * 9)  # tiles of 16 rows: several per head
     N = 37
     kw = {}
     if case == "sliding":
@@ -127,8 +127,8 @@ def _check_plugin():
     g = torch.Generator().manual_seed(5)
     mask = torch.rand(N, N, generator=g) > 0.2
     layers = [_layer(seed=s, N=N, causal=False, mask=mask) for s in range(2)]
-    assert streamed.stream_rule("sinkhorn", {"iters": 3, "tol": 0.0}, False) == "head"
-    assert streamed.stream_rule("tempered_stream_test", {"t": 2.0}, True) == "head"
+    assert tiles.stream_rule("sinkhorn", {"iters": 3, "tol": 0.0}, False) == "head"
+    assert tiles.stream_rule("tempered_stream_test", {"t": 2.0}, True) == "head"
     special = torch.zeros(N, dtype=torch.bool)
     special[0] = True
     _check(layers, ("unas", "sinkhorn", "tempered_stream_test"), {"iters": 3, "t": 3.0}, [special])
@@ -136,12 +136,12 @@ def _check_plugin():
 
 @pytest.mark.parametrize("variant", ALL)
 def test_head_weights_equal_the_reference(variant, monkeypatch):
-    monkeypatch.setattr(streamed, "TILE_BYTES", 4 * 4 * 37 * 9)
+    monkeypatch.setattr(tiles, "TILE_BYTES", 4 * 4 * 37 * 9)
     inputs = _layer(seed=2, window=9, softcap=5.0)
     params = {variant: check_params(variant, {"u": 0.3}, causal=True)}
     ref = _reference(inputs, variant, params[variant])
     for h in range(4):
-        assert torch.allclose(streamed.head_weights(inputs, 0, h, variant, params), ref[h], atol=2e-6)
+        assert torch.allclose(tiles.head_weights(inputs, 0, h, variant, params), ref[h], atol=2e-6)
 
 
 def test_head_maps_compute_one_head_on_access_and_refuse_huge_materialization(monkeypatch):
@@ -244,7 +244,7 @@ def test_causal_kernel_equals_the_pytorch_tiles(case, monkeypatch):
         kw = dict(mask=(j <= i)[None], window=None)
     layers = [_layer(seed=s, N=N, **kw) for s in range(2)]
     if case == "mask_tensor":
-        assert streamed.plain_causal(layers[0])
+        assert causal_kernel.plain_causal(layers[0])
     variants = ("unas", "dnas", "hnas", "sinkhorn", "softmax1")
     u = torch.tensor([[0.0, 0.3, 0.7, 1.0], [0.5, 0.5, 0.2, 0.9]])
     params = {v: check_params(v, {"u": u}, causal=True) for v in variants}
@@ -252,7 +252,7 @@ def test_causal_kernel_equals_the_pytorch_tiles(case, monkeypatch):
     special[[0, 3, N - 1]] = True
     specials = [special, ~special]
     got = streamed.stream_sums(layers, variants, params, specials)
-    monkeypatch.setattr(streamed, "_USE_KERNEL", False)
+    monkeypatch.setattr(causal_kernel, "_USE_KERNEL", False)
     want = streamed.stream_sums(layers, variants, params, specials)
     for v in variants:
         for name, t in want[v].items():
@@ -272,8 +272,8 @@ def test_causal_kernel_leaves_other_masks_and_nan_to_the_exact_path(monkeypatch)
     g = torch.Generator().manual_seed(1)
     i, j = torch.arange(N)[:, None], torch.arange(N)[None, :]
     odd = (j <= i) & (torch.rand(N, N, generator=g) > 0.2) | (i == j)
-    assert not streamed.plain_causal(_layer(N=N, mask=odd[None]))
-    assert not streamed.plain_causal(_layer(N=N, causal=False))
+    assert not causal_kernel.plain_causal(_layer(N=N, mask=odd[None]))
+    assert not causal_kernel.plain_causal(_layer(N=N, causal=False))
     layer = _layer(N=N)
     layer.query[1, 7, 0] = float("nan")  # one NaN query row in head 1
     params = {v: check_params(v, {}, causal=True) for v in ("unas", "dnas")}

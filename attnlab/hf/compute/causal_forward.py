@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from attnlab.hf.compute import streamed
+from attnlab.hf.compute import causal_kernel, tiles
 
 __all__ = ["CausalLayerwise"]
 
@@ -44,15 +44,15 @@ class CausalLayerwise:
                 or not all(t.dtype == torch.float32 for t in (query, key, value))):
             return None
         softcap, window = kwargs.get("softcap"), kwargs.get("sliding_window")
-        inputs = streamed.LayerInputs(query=query[0], key=key[0], mask=None if mask is None else mask[0],
+        inputs = tiles.LayerInputs(query=query[0], key=key[0], mask=None if mask is None else mask[0],
                                       causal=True, scale=float(scaling),
                                       softcap=None if softcap is None else float(softcap),
                                       sliding_window=None if window is None else int(window))
         H, N, Dv = query.shape[1], query.shape[2], value.shape[-1]
         out = None if last else torch.empty(1, N, H, Dv)
         v = None if last else value[0].contiguous()
-        done = streamed.kernel_layer(self.kernel, inputs, layer, self.slots, self.params, self.spec, self.out,
-                                     self.H, v=v, out_attn=None if out is None else out[0])
+        done = causal_kernel.kernel_layer(self.kernel, inputs, layer, self.slots, self.params, self.spec,
+                                          self.out, self.H, v=v, out_attn=None if out is None else out[0])
         if not done:
             return None
         self.done.add(layer)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from attnlab.hf.capture.interface import CapturedLayer, capture_qk, check_settings, use_variant
-from attnlab.hf.compute import fused_sums, streamed
+from attnlab.hf.compute import causal_kernel, fused_sums, streamed, tiles
 from attnlab.hf.compute.fused_sums import ROW_SUMS  # noqa: F401  (re-exported)
 from attnlab.hf.compute.head_maps import HeadMaps
 from attnlab.hf.compute.layers import (  # noqa: F401  (re-exported)
@@ -146,7 +146,7 @@ def _recompute_with_sums(loaded, input_ids, attention_mask, variants, given, spe
     model's device.
     """
     if loaded.info.causal and input_ids.device.type == "cpu":
-        streamed.bound_allocator(input_ids.shape[1])  # ATTNLAB_BOUNDED_MALLOC=1: memory over time
+        causal_kernel.bound_allocator(input_ids.shape[1])  # ATTNLAB_BOUNDED_MALLOC=1: memory over time
     hook = _layerwise(loaded, input_ids, attention_mask, variants, given, specials)
     # no work after the last q, k; the hook's attention outputs in place of SDPA's where it applies
     with capture_qk(loaded.model, stop_after=loaded.info.n_layers, layer_hook=hook) as captured:
@@ -216,12 +216,12 @@ def streamed_window(captured, valid) -> bool:
     return any(c.causal or c.mask is not None or c.softcap is not None for c in captured)
 
 
-def layer_inputs(captured) -> list[streamed.LayerInputs]:
+def layer_inputs(captured) -> list[tiles.LayerInputs]:
     """One window's captured layers as the streamed analysis' inputs (batch item 0)."""
     out = []
     for c in captured:
         mask = None if c.mask is None or bool(c.mask.all()) else c.mask[0]
-        out.append(streamed.LayerInputs(query=c.query[0], key=c.key_heads[0], mask=mask, causal=c.causal,
+        out.append(tiles.LayerInputs(query=c.query[0], key=c.key_heads[0], mask=mask, causal=c.causal,
                                         scale=c.scaling, softcap=c.softcap, sliding_window=c.sliding_window))
     return out
 
@@ -395,8 +395,8 @@ def _causal_layerwise(info, input_ids, attention_mask, variants, given, specials
     if not bool(attention_mask.bool().all()) or input_ids.shape[1] < 2:
         return None
     params = {v: check_params(v, given, causal=True) for v in variants}
-    slots = streamed.kernel_slots(variants, params, True)
-    kernel = streamed.causal_kernel() if slots else None
+    slots = causal_kernel.kernel_slots(variants, params, True)
+    kernel = causal_kernel.causal_kernel() if slots else None
     if kernel is None:
         return None
     L, H, N = info.n_layers, info.n_heads, input_ids.shape[1]
