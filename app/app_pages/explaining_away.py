@@ -4,9 +4,10 @@ which tokens fall below a threshold ε of the average key (docs/DESIGN.md §4)."
 import streamlit as st
 from appkit import beyond
 from appkit.controls import inputs, window_view
-from appkit.show import show
+from appkit.show import show, table_columns
 
 from attnlab.figures import app_views
+from attnlab.figures.stat_views import MOST_EXPLAINED_AWAY_COLUMNS
 
 P = "away"
 EPS_CHOICES = [0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5]
@@ -75,13 +76,7 @@ st.dataframe(
     frame,
     hide_index=True,
     key=f"{P}_table",
-    column_config={
-        "share_of_heads": st.column_config.ProgressColumn(
-            "explained away in (share of heads)", min_value=0.0, max_value=1.0, format="%.2f"
-        ),
-        "mean_relative_mass": st.column_config.NumberColumn("mean relative mass", format="%.3f"),
-        "min_relative_mass": st.column_config.NumberColumn("min relative mass", format="%.3f"),
-    },
+    column_config=table_columns(MOST_EXPLAINED_AWAY_COLUMNS, shares=("share_of_heads",)),
 )
 st.download_button(
     "All statistics of this window (CSV)",

@@ -30,10 +30,14 @@ def focus(view: WindowView) -> int | None:
     return f["position"]
 
 
-def current_focus(view: WindowView) -> int | None:
+def current_focus(view: WindowView, values: dict | None = None) -> int | None:
     """The focused token of this analysis as this session has it now (no URL write): what a
-    deferred export reads when it is clicked, after focus clicks that reran only the focus bar."""
-    f = state.shared().get(FOCUS) or {}
+    deferred export reads when it is clicked, after focus clicks that reran only the focus bar.
+
+    ``values``: the session's shared state (``state.shared()``), taken during a page run. A deferred
+    export runs in a server thread without the session, where ``st.session_state`` is an empty
+    stand-in: read there, the focus was always None (Inspect's exports lost it)."""
+    f = (state.shared() if values is None else values).get(FOCUS) or {}
     return f.get("position") if f.get("view") == view.key else None
 
 
@@ -116,6 +120,21 @@ def show(
     st.plotly_chart(b.figure, key=f"{prefix}_{name}", width=width, theme=None, config=CHART_CONFIG)
     export_menu(prefix, name, b, manifest(kind, views, params, labels, f"{name}.manifest.json"), text)
     return b
+
+
+def table_columns(columns: dict[str, tuple[str, str | None]], shares: tuple[str, ...] = ()) -> dict:
+    """``st.dataframe``'s column_config from a builder's own {column: (label, format)} (e.g.
+    ``stat_views.MOST_EXPLAINED_AWAY_COLUMNS``), so headers and formats follow its column names;
+    ``shares`` (fractions in [0, 1]) are drawn as bars."""
+    config = {}
+    for name, (label, fmt) in columns.items():
+        if name in shares:
+            config[name] = st.column_config.ProgressColumn(label, min_value=0.0, max_value=1.0, format=fmt)
+        elif fmt is None:
+            config[name] = st.column_config.TextColumn(label)
+        else:
+            config[name] = st.column_config.NumberColumn(label, format=fmt)
+    return config
 
 
 def show_bundle(

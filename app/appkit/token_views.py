@@ -177,10 +177,12 @@ def token_view(
             key=f"{key}_view",
             on_focus_change=lambda: _on_click(view.key, f"{key}_view"),
         )
+    values = state.shared()  # this session's, read again when a file is asked for (another thread)
+
     def params() -> dict:  # the focus of the moment a file is asked for
         if kind == "grid":
             return {"variant": variant, "max_tokens": GRID_MAX_TOKENS}
-        return {"variant": variant, "layer": layer, "head": head, "focus": current_focus(view)}
+        return {"variant": variant, "layer": layer, "head": head, "focus": current_focus(view, values)}
 
     export_menu(
         prefix,

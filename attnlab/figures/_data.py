@@ -12,6 +12,23 @@ from collections.abc import Sequence
 import numpy as np
 
 ZERO_WIDTH = "\u200b"
+# One colour per variant, the same in every figure that draws a line per variant (column-mass ECDFs,
+# corpus curves): fixed for the built-in variants, so no two of them get near-identical colours
+# whatever subset a figure draws (softmax1 was drawn over UNAS in a near-identical blue).
+VARIANT_COLORS = {
+    "unas": "#1f77b4",  # blue
+    "dnas": "#d62728",  # red
+    "hnas": "#2ca02c",  # green
+    "sinkhorn": "#9467bd",  # purple
+    "sparsemax": "#ff7f0e",  # orange
+    "softmax1": "#8c564b",  # brown
+}
+OTHER_COLORS = ("#e377c2", "#17becf", "#bcbd22", "#7f7f7f")  # plugin variants, other labels
+
+
+def variant_color(name: str, k: int = 0) -> str:
+    """The colour of variant ``name`` (a plugin variant or another label: the k-th other colour)."""
+    return VARIANT_COLORS.get(name) or OTHER_COLORS[k % len(OTHER_COLORS)]
 
 
 def as_array(x, name: str, ndim: int | tuple[int, ...] | None = None) -> np.ndarray:

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
-from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
+from attnlab.figures._data import variant_color
 from attnlab.figures.app_views import FigureBundle
 
 __all__ = ["layer_curves", "head_heatmap", "LABELS"]
@@ -49,13 +49,12 @@ def layer_curves(summary: pd.DataFrame, statistics: Sequence[str], variants: Seq
     rows = rows[rows["variant"].isin(variants)].sort_values(["statistic", "variant", "layer"])
     fig = make_subplots(rows=1, cols=len(statistics), subplot_titles=[LABELS.get(s, s) for s in statistics],
                         horizontal_spacing=0.06)
-    colors = qualitative.Plotly
     for c, stat in enumerate(statistics, 1):
         for i, variant in enumerate(variants):
             part = rows[(rows["statistic"] == stat) & (rows["variant"] == variant)]
             if part.empty:
                 continue
-            color = colors[i % len(colors)]
+            color = variant_color(variant, i)
             x = part["layer"].to_numpy()
             fig.add_trace(go.Scatter(x=np.concatenate([x, x[::-1]]),
                                      y=np.concatenate([part["ci_high"], part["ci_low"].to_numpy()[::-1]]),

@@ -9,12 +9,13 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from attnlab.figures._data import as_array
+from attnlab.figures._data import as_array, variant_color
 
 __all__ = ["column_mass_distribution", "explained_away_heatmap"]
 
 BOUND_STYLE = {"dnas": {"color": "black", "dash": "dash"}, "hnas": {"color": "dimgray", "dash": "dot"}}
 OTHER_BOUND = {"color": "gray", "dash": "dashdot"}
+LABEL_ROW_PX = 18  # the floors' labels sit above the plot, one row each (font 11), whatever its height
 
 
 def column_floors(data: Mapping, n_valid: int, u: float | None) -> list[tuple[str, str, float]]:
@@ -94,19 +95,20 @@ def column_mass_distribution(
         top = max([float(x.max()) for x in data.values() if x.size] + [1.0 / n_valid])
         edges = np.geomspace(floor / 1.0001, top * 1.0001, bins + 1)
         ymax = 0.0
-    for name, x in data.items():
+    for k, (name, x) in enumerate(data.items()):
         x = np.where(x > 0, x, floor).astype(np.float64)
+        line = {"shape": "hv", "color": variant_color(name.rsplit(" · ", 1)[-1], k)}
         if kind == "ecdf":
             xs, ys = _ecdf(x, max_points)
             fig.add_trace(go.Scatter(
-                x=xs, y=ys, name=name, mode="lines", line={"shape": "hv"},
+                x=xs, y=ys, name=name, mode="lines", line=line,
                 hovertemplate=f"{name}<br>m = %{{x:.3g}}<br>fraction of keys <= m: %{{y:.3f}}<extra></extra>",
             ))
         else:
             counts = np.histogram(x, bins=edges)[0] / max(x.size, 1)
             ymax = max(ymax, float(counts.max()) if counts.size else 0.0)
             fig.add_trace(go.Scatter(
-                x=edges, y=np.append(counts, counts[-1]), name=name, mode="lines", line={"shape": "hv"},
+                x=edges, y=np.append(counts, counts[-1]), name=name, mode="lines", line=line,
                 hovertemplate=f"{name}<br>bin from m = %{{x:.3g}}<br>fraction of keys: %{{y:.3f}}"
                 "<extra></extra>",
             ))
@@ -117,17 +119,21 @@ def column_mass_distribution(
             hovertemplate=f"{label} = {value:.4g}<extra></extra>",
         ))
         # annotations on a log axis are placed in log10 units (traces and shapes in data units); a
-        # floor below 1/N is labelled on its left, so its label does not run across the 1/N line
+        # floor below 1/N is labelled on its left, so its label does not run across the 1/N line; each
+        # label gets its own row above the plot, in pixels (rows in paper units overlapped "u/N" and
+        # "1/N" on a short plot)
         side = "left" if value >= 1.0 / n_valid else "right"
-        fig.add_annotation(x=math.log10(value), y=1.0 - 0.07 * k, yref="paper", text=label.split(" (")[0],
-                           showarrow=False, xanchor=side, yanchor="bottom", font={"size": 11})
+        fig.add_annotation(x=math.log10(value), y=1.0, yref="paper", yshift=2 + LABEL_ROW_PX * k,
+                           text=label.split(" (")[0], showarrow=False, xanchor=side, yanchor="bottom",
+                           font={"size": 11})
     top = max([float(x.max()) for x in data.values() if x.size] + [1.0 / n_valid])
     lo = min([floor] + [value for _, _, value in bounds])
     fig.update_xaxes(range=[math.log10(lo) - 0.15, math.log10(top) + 0.15])  # log10 units
     fig.update_xaxes(type="log", title="column mass m_j = sum_i pi_ij (log scale)")
     fig.update_yaxes(title="fraction of keys with mass <= m" if kind == "ecdf" else "fraction of keys",
                      rangemode="tozero")
-    fig.update_layout(title=title, legend={"title": {"text": "variant"}}, width=820, height=480)
+    fig.update_layout(title=title, legend={"title": {"text": "variant"}}, width=820, height=480,
+                      margin={"t": 70 + LABEL_ROW_PX * len(bounds)})
     return fig
 
 

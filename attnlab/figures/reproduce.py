@@ -9,6 +9,7 @@ analysed text's sha256, and per source the model (``ModelInfo.as_dict()``) and i
 from __future__ import annotations
 
 import datetime
+import json
 import shlex
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -71,19 +72,24 @@ def manifest(
     """The JSON manifest of an exported figure: what was analysed and how to rebuild the figure.
 
     Each source is ``{"model": ModelInfo.as_dict(), "settings": {variants, mode, u, iters, window}}``.
-    ``reproduce`` holds one ``attnlab analyze`` command per source (run on the same text, saved as
-    text.txt; its sha256 is in ``input``) and the Python call that rebuilds the figure from their
-    output directories: ``attnlab.figures.reproduce_figure(file_name, [dir, ...])``, where
-    ``file_name`` is the name the manifest is saved under (the Export menu's download name).
+    ``reproduce`` holds one ``attnlab analyze`` command per distinct source (run on the same text,
+    saved as text.txt; its sha256 is in ``input``; sources that are one analysis share its output
+    directory) and the Python call that rebuilds the figure from their output directories:
+    ``attnlab.figures.reproduce_figure(file_name, [dir, ...])``, where ``file_name`` is
+    the name the manifest is saved under (the Export menu's download name).
     """
     import attnlab
 
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    dirs = [f"attnlab-out-{k}" for k in range(len(sources))] if len(sources) > 1 else ["attnlab-out"]
-    commands = []
-    for src, d in zip(sources, dirs, strict=True):
-        commands.append(shlex.join(analyze_command(src, out_dir=d)))
+    # one command per distinct source: panels of one analysis (Compare's variants of one model) share
+    # its output directory, so the command is not repeated once per panel
+    distinct = list(dict.fromkeys(json.dumps(s, sort_keys=True) for s in sources))
+    names = [f"attnlab-out-{k}" for k in range(len(distinct))] if len(distinct) > 1 else ["attnlab-out"]
+    dirs = [names[distinct.index(json.dumps(s, sort_keys=True))] for s in sources]
+    commands = [
+        shlex.join(analyze_command(json.loads(s), out_dir=d)) for s, d in zip(distinct, names, strict=True)
+    ]
     return {
         "format": MANIFEST_FORMAT,
         "attnlab_version": getattr(attnlab, "__version__", "?"),

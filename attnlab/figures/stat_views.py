@@ -9,7 +9,17 @@ import pandas as pd
 
 from attnlab.figures._data import as_array, check_tokens
 
-__all__ = ["most_explained_away", "relative_mass"]
+__all__ = ["MOST_EXPLAINED_AWAY_COLUMNS", "most_explained_away", "relative_mass"]
+
+# The columns of :func:`most_explained_away`: name -> (label for people, number format). The app's
+# table reads its headers and formats from here, so the two cannot drift apart.
+MOST_EXPLAINED_AWAY_COLUMNS = {
+    "position": ("position", "%d"),
+    "token": ("token", None),
+    "share_of_heads": ("explained away in (share of heads)", "%.2f"),
+    "mean_relative_mass": ("mean relative mass", "%.3f"),
+    "min_relative_mass": ("min relative mass", "%.3f"),
+}
 
 
 def relative_mass(w: np.ndarray) -> np.ndarray:
@@ -25,7 +35,8 @@ def most_explained_away(
 
     weights: (L, H, N, N) of one variant; ``layer`` restricts to one layer (None: all layers).
     Columns: position, token, share_of_heads (share of (layer, head) maps where the token is
-    explained away), meanrelative_mass, minrelative_mass; sorted by share, then mean mass.
+    explained away), mean_relative_mass, min_relative_mass (labels: MOST_EXPLAINED_AWAY_COLUMNS);
+    sorted by share, then mean mass.
     """
     w = as_array(weights, "weights", 4)
     tokens = check_tokens(tokens, w.shape[-1])
@@ -37,9 +48,9 @@ def most_explained_away(
             "position": np.arange(len(tokens)),
             "token": tokens,
             "share_of_heads": (rel < eps).mean(0),
-            "meanrelative_mass": rel.mean(0),
-            "minrelative_mass": rel.min(0),
+            "mean_relative_mass": rel.mean(0),
+            "min_relative_mass": rel.min(0),
         }
     )
-    frame = frame.sort_values(["share_of_heads", "meanrelative_mass"], ascending=[False, True])
+    frame = frame.sort_values(["share_of_heads", "mean_relative_mass"], ascending=[False, True])
     return frame.head(top).reset_index(drop=True)

@@ -1,0 +1,201 @@
+"""The rough edges of issue 30 (items 1-9), each with a test that would have caught it.
+
+AppTest drives the pages (no browser); tests/test_browser.py checks what needs one (the deep link's
+requests). Offline: the embedded MiniLM and the shipped checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import tomllib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("streamlit.testing.v1")
+from streamlit.runtime.media_file_manager import MediaFileManager  # noqa: E402
+from streamlit.testing.v1 import AppTest  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+APP = str(REPO / "app" / "streamlit_app.py")
+PAGES = REPO / "app" / "app_pages"
+TIMEOUT = 240
+
+
+@pytest.fixture
+def app_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("ATTNLAB_DEBUG", "1")
+    monkeypatch.setenv("ATTNLAB_UMAP", "off")
+    monkeypatch.setenv("ATTNLAB_RUNS_DIR", str(tmp_path / "runs"))
+    monkeypatch.setenv("ATTNLAB_UPLOADS_DIR", str(tmp_path / "uploads"))
+    monkeypatch.setenv("ATTNLAB_MODEL_ROOTS", str(tmp_path))
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    if str(REPO / "app") not in sys.path:
+        sys.path.insert(0, str(REPO / "app"))
+    return tmp_path
+
+
+@pytest.fixture
+def deferred(monkeypatch) -> dict:
+    """file id -> the callable of every deferred download button made (what a click runs)."""
+    made = {}
+    add = MediaFileManager.add_deferred
+
+    def record(self, data_callable, *args, **kwargs):
+        file_id = add(self, data_callable, *args, **kwargs)
+        made[file_id] = data_callable
+        return file_id
+
+    monkeypatch.setattr(MediaFileManager, "add_deferred", record)
+    return made
+
+
+def run_page(page: str | None = None, **query) -> AppTest:
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT)
+    at.query_params.update(query)
+    at.run()
+    if page:
+        at.switch_page(f"app_pages/{page}.py").run()
+    assert not at.exception, [e.message for e in at.exception]
+    return at
+
+
+def messages(at: AppTest) -> str:
+    return " | ".join(e.value for kind in ("error", "warning", "info") for e in getattr(at, kind))
+
+
+def click(at: AppTest, deferred: dict, key: str):
+    """What a click on download button ``key`` downloads: its callable run as Streamlit runs it,
+    in a server thread without the session's script context."""
+    button = next(b for b in at.download_button if b.key == key)
+    out = {}
+    worker = threading.Thread(target=lambda: out.update(data=deferred[button.proto.deferred_file_id]()))
+    worker.start()
+    worker.join()
+    return out["data"]
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Inspect's exports keep the focused token
+# ----------------------------------------------------------------------------------------------
+
+
+# what shows the focus in the exported figure: the heatmap's orange outline, the model view's title
+@pytest.mark.parametrize(
+    "figure, mark", [("heatmap", '"line":{"color":"#ff7f0e"'), ("model_view", "focus: 3: sat")]
+)
+def test_inspect_exports_keep_the_focus(app_env, deferred, figure, mark):
+    """Seen: the manifest said "focus": null and the PNG had no outline (heatmap and model view):
+    the deferred export read the focus in a thread where st.session_state is an empty stand-in."""
+    at = run_page(focus="3")
+    at.session_state[f"inspect_{figure}_export"] = True
+    at.run()
+    manifest = json.loads(click(at, deferred, f"inspect_{figure}_manifest"))
+    assert manifest["figure"]["params"]["focus"] == 3
+    html = click(at, deferred, f"inspect_{figure}_html").decode()  # the figure the PNG is made of
+    assert mark in html
+
+
+# ----------------------------------------------------------------------------------------------
+# 7. Explaining away: the table's headers and formats come from the builder's columns
+# ----------------------------------------------------------------------------------------------
+
+
+def test_explained_away_table_labels_every_column(app_env):
+    """Seen: headers read `meanrelative_mass`: the page's column_config named columns the builder
+    did not have, so its labels and 3-decimal format never applied."""
+    from attnlab.figures.stat_views import MOST_EXPLAINED_AWAY_COLUMNS
+
+    at = run_page("explaining_away")
+    table = next(d for d in at.dataframe if "share_of_heads" in d.value.columns)
+    columns = list(table.value.columns)
+    assert columns == list(MOST_EXPLAINED_AWAY_COLUMNS)
+    config = json.loads(table.proto.columns)
+    for name in columns:
+        label, fmt = MOST_EXPLAINED_AWAY_COLUMNS[name]
+        assert config[name]["label"] == label
+        if fmt is not None:
+            assert config[name]["type_config"]["format"] == fmt
+    assert config["mean_relative_mass"]["type_config"]["format"] == "%.3f"
+
+
+# ----------------------------------------------------------------------------------------------
+# 8. Variant colours
+# ----------------------------------------------------------------------------------------------
+
+
+def test_every_variant_has_its_own_colour_on_corpus_curves():
+    """Seen: softmax1 was drawn over UNAS in a near-identical colour."""
+    import pandas as pd
+
+    import attnlab
+    from attnlab.figures.corpus import layer_curves
+
+    rows = [
+        {"variant": v, "layer": layer, "head": -1, "statistic": "explained_away_relative", "mean": 0.1,
+         "ci_low": 0.0, "ci_high": 0.2, "n_documents": 3}
+        for v in attnlab.VARIANTS for layer in range(2)
+    ]
+    fig = layer_curves(pd.DataFrame(rows), ["explained_away_relative"]).figure
+    colours = {t.name: t.line.color for t in fig.data if t.name}
+    assert set(colours) == set(attnlab.VARIANTS)
+    rgb = {v: np.array([int(c[i : i + 2], 16) for i in (1, 3, 5)]) for v, c in colours.items()}
+    for a in rgb:
+        for b in rgb:
+            if a < b:
+                assert np.abs(rgb[a] - rgb[b]).sum() > 120, (a, b, colours[a], colours[b])
+
+
+# ----------------------------------------------------------------------------------------------
+# 9. Small things
+# ----------------------------------------------------------------------------------------------
+
+
+def test_compare_manifest_has_one_command_per_analysis():
+    """Seen: three identical `attnlab analyze` commands when Compare's panels differ by variant."""
+    from attnlab.figures.reproduce import manifest
+
+    settings = {"variants": ["unas", "dnas", "hnas"], "mode": "recompute", "u": 0.5, "iters": 3, "window": 0}
+    one = {"model": {"name": "MiniLM", "path": None}, "settings": settings}
+    other = {"model": {"name": "enc-hnas", "path": "checkpoints/enc-hnas"}, "settings": one["settings"]}
+    m = manifest("panels", {"variants": ["unas", "dnas", "hnas"]}, [one, one, one], text_sha256="0" * 64,
+                 characters=3, window=0, file_name="maps.manifest.json")
+    assert len(m["reproduce"]["commands"]) == 1
+    assert "['attnlab-out', 'attnlab-out', 'attnlab-out']" in m["reproduce"]["python"]
+    m = manifest("panels", {"variants": ["unas", "dnas", "unas"]}, [one, one, other], text_sha256="0" * 64,
+                 characters=3, window=0)
+    assert len(m["reproduce"]["commands"]) == 2
+    assert "['attnlab-out-0', 'attnlab-out-0', 'attnlab-out-1']" in m["reproduce"]["python"]
+
+
+def test_no_deploy_button():
+    """Seen: Streamlit's Deploy button on every page."""
+    config = tomllib.loads((REPO / ".streamlit" / "config.toml").read_text())
+    assert config["client"]["toolbarMode"] in ("minimal", "viewer")
+
+
+def test_ecdf_floor_labels_have_their_own_rows():
+    """Seen: the labels "u/N" and "1/N" overlapped. Each label now has its own row above the plot,
+    in pixels, so they cannot overlap however short the plot is."""
+    from attnlab.figures.distributions import column_mass_distribution
+
+    rng = np.random.default_rng(0)
+    masses = {v: rng.dirichlet(np.ones(40), size=(2, 3)).sum(-2) for v in ("unas", "hnas")}
+    for u in (0.5, 0.95):
+        notes = column_mass_distribution(masses, 40, u).layout.annotations
+        assert [a.text.split(" =")[0] for a in notes] == ["1/N", "u/N"]
+        rows = sorted((a.yshift or 0) for a in notes)
+        assert all(a.y == 1.0 and a.yref == "paper" and a.yanchor == "bottom" for a in notes)
+        assert rows[1] - rows[0] >= 1.5 * notes[0].font.size
+
+
+def test_python_m_attnlab_is_the_attnlab_command():
+    """Seen: `python -m attnlab` failed (no attnlab/__main__.py)."""
+    out = subprocess.run([sys.executable, "-m", "attnlab", "--help"], capture_output=True, text=True,
+                         cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: attnlab") and "analyze" in out.stdout
