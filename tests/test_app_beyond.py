@@ -39,19 +39,33 @@ def _charts(at: AppTest) -> dict[str, dict]:
 
 @pytest.mark.slow
 def test_interventions_page_map_and_before_after(app_env):
+    """Issue 30: before and after on one colour scale, their difference centred at 0, square-ish
+    maps, measures named for people, and the Export menu of every other page."""
     at = _page("interventions", "interventions")
     figs = _charts(at)
-    assert {"interventions_map", "interventions_unas_map", "interventions_dnas_map"} <= set(figs)
-    assert figs["interventions_map"]["layout"]["title"]["text"].endswith("becomes dnas")
+    assert {"interventions_map", "interventions_before_after", "interventions_difference"} <= set(figs)
+    the_map = figs["interventions_map"]["layout"]
+    assert the_map["title"]["text"].endswith("becomes dnas")
+    titles = [a["text"] for a in the_map["annotations"]]
+    assert not any("_" in t for t in titles) and any("cosine distance" in t for t in titles)
     at.number_input(key="interventions_layer").set_value(3).run()
     at.number_input(key="interventions_head").set_value(5).run()
     assert not at.exception
-    title = _charts(at)["interventions_dnas_map"]["layout"]["title"]["text"]
-    assert title.startswith("Layer 3, head 5")
-    at.toggle(key="interventions_export_toggle").set_value(True).run()
-    at.session_state["interventions_map_export_export"] = True  # its Export menu opened
+    figs = _charts(at)
+    pair, diff = figs["interventions_before_after"], figs["interventions_difference"]
+    assert "layer 3, head 5" in pair["layout"]["title"]["text"]
+    assert [t["coloraxis"] for t in pair["data"]] == ["coloraxis", "coloraxis"]  # one scale
+    assert pair["layout"]["coloraxis"]["cmin"] == 0.0
+    assert diff["layout"]["coloraxis"]["cmin"] == -diff["layout"]["coloraxis"]["cmax"]  # centred at 0
+    assert "after (dnas) minus before (softmax)" in diff["layout"]["title"]["text"]
+    for fig, panels in ((pair, 2), (diff, 1)):  # square-ish panels, not stretched to the page
+        width, height = fig["layout"]["width"], fig["layout"]["height"]
+        assert 0.6 < (width - 160) / panels / (height - 160) < 1.4
+    table = next(d for d in at.dataframe if "measure" in d.value.columns)
+    assert not table.value["measure"].str.contains("_").any()
+    at.session_state["interventions_map_export"] = True  # the Export menu opened
     at.run()
-    assert "interventions_map_export_html" in {b.key for b in at.download_button}
+    assert {"interventions_map_html", "interventions_map_csv"} <= {b.key for b in at.download_button}
 
 
 @pytest.mark.slow

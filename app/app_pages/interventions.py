@@ -1,13 +1,14 @@
 """Interventions: swap one head's normalizer at a time and see how much the output changes (L × H
-map); pick a cell to compare that head's map before (the model's softmax) and after the swap."""
+map); pick a cell to compare that head's map before (the model's softmax) and after the swap, on one
+colour scale, and their difference centred at 0."""
 
 import streamlit as st
 from appkit.analysis import Settings, settings_input, text_input, window_view
-from appkit.beyond import intervention_result
-from appkit.show import CHART_CONFIG, show_bundle
+from appkit.beyond import before_after, intervention_result, intervention_table
+from appkit.export import export_menu
+from appkit.show import CHART_CONFIG, table_columns
 
 import attnlab
-from attnlab.figures import attention_heatmap
 from attnlab.figures import beyond as figs
 
 P = "interventions"
@@ -33,19 +34,17 @@ bundle = figs.intervention_heatmap(result.measures, variant)
 event = st.plotly_chart(
     bundle.figure, key=f"{P}_map", on_select="rerun", selection_mode="points", theme=None, config=CHART_CONFIG
 )
-if st.toggle("Export the map", key=f"{P}_export_toggle"):
-    show_bundle(P, "map_export", bundle)
+export_menu(P, "map", bundle)
 points = event.selection.points if event is not None else []
 if points:  # a clicked cell picks the head below
     st.session_state[f"{P}_layer"], st.session_state[f"{P}_head"] = int(points[0]["y"]), int(points[0]["x"])
 a, b = st.columns(2)
 layer = a.number_input("Layer", 0, L - 1, key=f"{P}_layer")
 head = b.number_input("Head", 0, H - 1, key=f"{P}_head")
-before, after = st.columns(2)
-for col, name, title in ((before, "unas", "before (softmax)"), (after, variant, f"after ({variant})")):
-    with col:
-        fig = attention_heatmap(
-            view.weights[name][layer, head], view.tokens, title=f"Layer {layer}, head {head}: {title}"
-        )
-        st.plotly_chart(fig, key=f"{P}_{name}_map", theme=None, config=CHART_CONFIG)
-st.dataframe(result.table(), hide_index=True, key=f"{P}_table")
+before_after(P, view, variant, layer, head, text)
+st.dataframe(
+    intervention_table(result),
+    hide_index=True,
+    key=f"{P}_table",
+    column_config=table_columns(figs.INTERVENTION_COLUMNS),
+)

@@ -12,7 +12,7 @@ import torch
 
 import attnlab
 from appkit.analysis import WindowView
-from appkit.show import show_bundle
+from appkit.show import show, show_bundle
 from appkit.sources import load
 from attnlab import contributions, flow, sinks, stats
 from attnlab.figures import beyond as figs
@@ -145,3 +145,20 @@ def intervention_result(key: str, variant: str, _view: WindowView) -> interventi
         )
     finally:
         bar.empty()
+
+
+def intervention_table(result: interventions.InterventionResult) -> pd.DataFrame:
+    """The result's tidy rows, the measures named for people (``figs.MEASURE_TITLES``)."""
+    table = result.table()
+    return table.assign(measure=table["measure"].map(lambda m: figs.MEASURE_TITLES.get(m, m)))
+
+
+def before_after(prefix: str, view: WindowView, variant: str, layer: int, head: int, text: str) -> None:
+    """One head's map before (the model's softmax) and after the swap to ``variant`` on one colour
+    scale, then after minus before on a scale centred at 0; each with its Export menu."""
+    model = view.settings.source.label
+    params = {"layer": layer, "head": head, "focus": None}
+    show(prefix, "before_after", "panels", [view, view], {**params, "variants": ["unas", variant]},
+         labels=[f"{model} · before (softmax)", f"{model} · after ({variant})"], text=text)
+    show(prefix, "difference", "difference", [view, view], {**params, "variants": [variant, "unas"]},
+         labels=[f"after ({variant})", "before (softmax)"], text=text)

@@ -29,8 +29,24 @@ __all__ = [
     "flow_heatmap",
     "intervention_heatmap",
     "faithfulness_bars",
+    "MEASURE_TITLES",
+    "INTERVENTION_COLUMNS",
 ]
 
+# The measures of attnlab.hf.beyond.interventions, named for people (titles, table headers).
+MEASURE_TITLES = {
+    "hidden_cosine": "final hidden states: cosine distance (mean over tokens)",
+    "pooled_cosine": "mean-pooled embedding: cosine distance",
+    "loglik_change": "log-likelihood per token: change (nats)",
+}
+# InterventionResult.table()'s columns: name -> (header, number format), for the app's table
+INTERVENTION_COLUMNS = {
+    "variant": ("swapped to", None),
+    "layer": ("layer", "%d"),
+    "head": ("head", "%d"),
+    "measure": ("measure", None),
+    "value": ("output change", "%.4g"),
+}
 WEIGHT_STAT = "explained_away_relative"
 CONTRIBUTION_STAT = "contribution_explained_away_relative"
 
@@ -150,7 +166,8 @@ def intervention_heatmap(
     names = list(measures)
     # room between panels for a panel's colour bar and the next panel's axis labels (the bar sat on
     # the next panel's "layer" title and ticks)
-    fig = make_subplots(rows=1, cols=len(names), subplot_titles=names, horizontal_spacing=0.2)
+    fig = make_subplots(rows=1, cols=len(names), subplot_titles=[MEASURE_TITLES.get(n, n) for n in names],
+                        horizontal_spacing=0.2)
     rows = []
     for i, name in enumerate(names, 1):
         z = as_array(measures[name], name, 2)
