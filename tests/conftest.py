@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -100,20 +101,119 @@ TINY_CONFIGS = {
              query_pre_attn_scalar=16),
     ),
 }
-# the BPE tokenizer style of each arch (_bpe_tokenizer's kinds)
+# tests/test_architectures.py's tiny models: 2 layers, width 64, 4 heads (2 key/value heads where the
+# architecture has grouped-query attention), 64 positions
+_W = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+_GQA = dict(**_W, num_key_value_heads=2, max_position_embeddings=_P, bos_token_id=0, eos_token_id=2,
+            pad_token_id=1)
+TINY_CONFIGS.update({
+    "albert": ("AlbertConfig", dict(**_W, embedding_size=32, max_position_embeddings=_P)),
+    "electra": ("ElectraConfig", dict(**_W, embedding_size=32, max_position_embeddings=_P)),
+    "xlm-roberta": ("XLMRobertaConfig", dict(**_W, max_position_embeddings=_P + 2, pad_token_id=1)),
+    # local layers (a window of 8 keys) alternating with global ones
+    "modernbert": ("ModernBertConfig", dict(**_W, max_position_embeddings=_P, local_attention=8,
+                                            global_attn_every_n_layers=2, pad_token_id=1, bos_token_id=0,
+                                            eos_token_id=2, cls_token_id=0, sep_token_id=2)),
+    "gpt_neox": ("GPTNeoXConfig", dict(**_W, max_position_embeddings=_P, bos_token_id=0, eos_token_id=0)),
+    "gptj": ("GPTJConfig", dict(n_embd=64, n_layer=2, n_head=4, n_positions=_P, rotary_dim=8,
+                                bos_token_id=0, eos_token_id=0)),
+    "opt": ("OPTConfig", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128,
+                              word_embed_proj_dim=64, max_position_embeddings=_P, pad_token_id=1,
+                              bos_token_id=0, eos_token_id=2)),
+    "codegen": ("CodeGenConfig", dict(n_embd=64, n_layer=2, n_head=4, n_positions=_P, n_ctx=_P,
+                                      rotary_dim=8, bos_token_id=0, eos_token_id=0)),
+    "qwen2": ("Qwen2Config", dict(_GQA)),
+    "phi": ("PhiConfig", dict(_GQA)),
+    "phi3": ("Phi3Config", dict(_GQA)),
+    "gemma": ("GemmaConfig", dict(_GQA, head_dim=16)),
+    "starcoder2": ("Starcoder2Config", dict(_GQA, sliding_window=8)),
+    "granite": ("GraniteConfig", dict(_GQA)),
+    # refused (tests/test_architectures.py): attention outside the AttentionInterface, encoder-decoder,
+    # vision
+    "mpnet": ("MPNetConfig", dict(**_W, max_position_embeddings=_P + 2, pad_token_id=1)),
+    "deberta-v2": ("DebertaV2Config", dict(**_W, max_position_embeddings=_P)),
+    "gpt_neo": ("GPTNeoConfig", dict(hidden_size=64, num_layers=2, num_heads=4, max_position_embeddings=_P,
+                                     attention_types=[[["global", "local"], 1]], window_size=8)),
+    "bloom": ("BloomConfig", dict(hidden_size=64, n_layer=2, n_head=4)),
+    "falcon": ("FalconConfig", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4)),
+    "t5": ("T5Config", dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4)),
+    "bart": ("BartConfig", dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                                decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+                                max_position_embeddings=_P)),
+    "vit": ("ViTConfig", dict(**_W, image_size=16, patch_size=8)),
+})
+
+
+@dataclass(frozen=True)
+class Arch:
+    """One architecture of tests/test_architectures.py and of the table in docs/ANALYSIS.md
+    (scripts/architecture_table.py prints the table from ``ARCHITECTURES``)."""
+
+    key: str  # TINY_CONFIGS key and config.model_type
+    name: str  # as the table shows it
+    masks: str = "padding"  # what the attention masks beyond padding: "causal", "sliding window", ...
+    values: str = "named"  # contributions' value path: "named" (VALUE_PATHS), "traced" (value_trace)
+    swap: str = "yes"  # whether swap-mode UNAS reproduces the eager model, else what is missing
+    family: str = ""  # hand-built contribution reference of tests/test_architectures.py ("" = none)
+    refused: str = ""  # why attnlab refuses it, the words its error uses ("" = analysed)
+
+
+_OUTSIDE = "does not route its attention through transformers' AttentionInterface"
+ARCHITECTURES = (
+    Arch("bert", "BERT", family="bert"),
+    Arch("roberta", "RoBERTa"),
+    Arch("distilbert", "DistilBERT", family="distilbert"),
+    Arch("albert", "ALBERT (layers share weights)", values="traced", family="albert"),
+    Arch("electra", "ELECTRA", family="bert"),
+    Arch("xlm-roberta", "XLM-RoBERTa"),
+    Arch("modernbert", "ModernBERT (fused qkv)", masks="local layers (window)", values="traced",
+         family="modernbert"),
+    Arch("gpt2", "GPT-2", masks="causal", family="gpt2"),
+    Arch("gpt_neox", "GPT-NeoX (fused qkv, heads interleaved)", masks="causal", values="traced",
+         family="gpt_neox"),
+    Arch("gptj", "GPT-J", masks="causal", values="traced", family="gptj"),
+    Arch("opt", "OPT", masks="causal", values="traced", family="opt"),
+    Arch("codegen", "CodeGen (fused qkv, q v k order)", masks="causal", values="traced", family="codegen"),
+    Arch("llama", "LLaMA (GQA)", masks="causal", family="llama"),
+    Arch("mistral", "Mistral (GQA)", masks="causal, sliding window"),
+    Arch("qwen2", "Qwen2 (GQA)", masks="causal"),
+    Arch("phi", "Phi (GQA)", masks="causal", values="traced", family="phi"),
+    Arch("phi3", "Phi-3 (GQA, fused qkv)", masks="causal", values="traced", family="phi3"),
+    Arch("gemma", "Gemma (GQA)", masks="causal"),
+    Arch("gemma2", "Gemma 2 (GQA, softcap)", masks="causal, sliding window, softcap",
+         swap="no: the swapped variants leave out the softcap (issue 27, item 2)"),
+    Arch("starcoder2", "Starcoder2 (GQA)", masks="causal, sliding window"),
+    Arch("granite", "Granite (GQA)", masks="causal", family="llama"),
+    Arch("mpnet", "MPNet", refused=_OUTSIDE),
+    Arch("deberta-v2", "DeBERTa-v2", refused=_OUTSIDE),
+    Arch("gpt_neo", "GPT-Neo", refused=_OUTSIDE),
+    Arch("bloom", "BLOOM", refused=_OUTSIDE),
+    Arch("falcon", "Falcon", refused=_OUTSIDE),
+    Arch("t5", "T5", refused="encoder-decoder"),
+    Arch("bart", "BART", refused="encoder-decoder"),
+    Arch("vit", "ViT", refused="vision model"),
+)
+# the BPE tokenizer style of each arch (_bpe_tokenizer's kinds); the others use MiniLM's WordPiece
 _TOKENIZER_KIND = {"gpt2": "gpt2", "roberta": "roberta", "llama": "llama", "mistral": "llama",
-                   "gemma2": "llama"}
+                   "gemma2": "llama",
+                   **dict.fromkeys(("albert", "electra", "xlm-roberta", "modernbert", "mpnet", "deberta-v2",
+                                    "t5", "bart", "vit"), "roberta"),
+                   **dict.fromkeys(("gpt_neox", "gptj", "opt", "codegen", "qwen2", "phi", "phi3", "gemma",
+                                    "starcoder2", "granite", "gpt_neo", "bloom", "falcon"), "llama")}
 
 
 def _config(arch: str, vocab_size: int):
     import transformers
 
     cls, fields = TINY_CONFIGS[arch]
+    if arch == "vit":  # no vocabulary
+        return getattr(transformers, cls)(**fields)
     return getattr(transformers, cls)(vocab_size=vocab_size, **fields)
 
 
-def build_tiny_model(arch: str, directory, seed: int = 0):
-    """Write a tiny random ``arch`` model and its tokenizer to ``directory``; returns it."""
+def build_tiny_model(arch: str, directory, seed: int = 0, scale: float | None = None):
+    """Write a tiny random ``arch`` model and its tokenizer to ``directory``; returns it. ``scale``:
+    every parameter (biases and norms too) redrawn from N(0, scale^2), so that no bias is zero."""
     import torch
     from transformers import AutoModel, AutoTokenizer
 
@@ -126,6 +226,10 @@ def build_tiny_model(arch: str, directory, seed: int = 0):
         tokenizer = _bpe_tokenizer(_TOKENIZER_KIND[arch])
     torch.manual_seed(seed)
     model = AutoModel.from_config(_config(arch, len(tokenizer)))
+    if scale is not None:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, scale)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory

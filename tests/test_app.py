@@ -237,18 +237,22 @@ def test_inspect_gam_checkpoint_shows_phi_theta_and_combined(app_env):
         pytest.skip("no shipped GAM checkpoint")
     at.selectbox(key="inspect_model").set_value(gam[0]).run()
     assert not at.exception, [e.message for e in at.exception]
-    figs = charts(at)
-    assert {"inspect_gam_phi", "inspect_gam_theta", "inspect_gam_combined"} <= set(figs)
+    fig = charts(at)["inspect_gam"]
     variant = at.segmented_control(key="inspect_variant").value
     layer, head = at.slider(key="inspect_layer").value, at.slider(key="inspect_head").value
     checkpoint = Path(APP).parents[1] / "checkpoints" / "enc-gam"
     iters = next((w.value for w in at.slider if w.key == "inspect_sinkhorn_iters"), None)  # if shown
     expected = hf.analyze(at.text_area(key="inspect_text").value, checkpoint, variants=(variant,),
                           iters=iters)
-    np.testing.assert_allclose(z_of(figs["inspect_gam_theta"]),
-                               expected.components[variant]["theta"][layer, head].numpy(), atol=1e-6)
-    combined = z_of(figs["inspect_gam_combined"])
-    np.testing.assert_allclose(combined, views(at)["inspect_heatmap"]["map"], atol=1e-6)
+    np.testing.assert_allclose(z_of(fig, 1), expected.components[variant]["theta"][layer, head].numpy(),
+                               atol=1e-6)
+    np.testing.assert_allclose(z_of(fig, 2), views(at)["inspect_heatmap"]["map"], atol=1e-6)
+    # issue 30: one figure (over the page's width), one colour scale, named as GAM's, the variants explained
+    assert [t["coloraxis"] for t in fig["data"]] == ["coloraxis"] * 3
+    assert fig["layout"]["title"]["text"].startswith(f"GAM, {variant} in each brain")
+    assert [a["text"] for a in fig["layout"]["annotations"]][:3] == [
+        "Φ: content brains", "Θ: relative position", "combined weights"]
+    assert any("GAM model: the variant normalizes each brain" in c.value for c in at.caption)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -5,6 +5,8 @@ A click on a token focuses it in every view of the page."""
 import streamlit as st
 from appkit import beyond
 from appkit.controls import inputs, window_view
+from appkit.gam import NOTE as GAM_NOTE
+from appkit.gam import gam_maps, is_gam
 from appkit.pick import layer_head, variant
 from appkit.token_views import focus_bar, token_view
 
@@ -23,6 +25,8 @@ st.caption(
 )
 for note in view.notes:
     st.caption(f"Note: {note}")
+if is_gam(view):
+    st.caption(GAM_NOTE)
 
 left, mid, right = st.columns([2, 1, 1])
 chosen = variant(P, view, left)
@@ -56,16 +60,9 @@ else:
     )
 
 
-GAM_MAPS = {"phi": "Φ: content brains", "theta": "Θ: relative position"}
-if any(name in view.components.get(chosen, {}) for name in GAM_MAPS):  # a GAM checkpoint's parts
-    from attnlab.figures import attention_heatmap
-
+if is_gam(view):  # a GAM checkpoint's parts
     st.subheader("GAM: content (Φ), relative position (Θ) and the combined weights")
-    maps = {**view.components[chosen], "combined": view.weights[chosen]}
-    shown = [(k, GAM_MAPS.get(k, "combined")) for k in (*GAM_MAPS, "combined") if k in maps]
-    for column, (key, label) in zip(st.columns(len(shown)), shown, strict=True):
-        fig = attention_heatmap(maps[key][layer, head], view.tokens, title=f"{chosen}: {label}")
-        column.plotly_chart(fig, key=f"{P}_gam_{key}", width="stretch", theme=None)
+    gam_maps(P, view, chosen, layer, head)
 
 st.subheader("Every layer and head: maps")
 token_view(P, "grid", view, chosen, layer, head, text=text)

@@ -25,7 +25,8 @@ def check_flag(flag, loaded) -> bool:
     if not isinstance(flag, bool):
         raise ValueError(f"contributions must be True or False, got {flag!r}")
     if flag:
-        value_paths(loaded.model)
+        with loaded.lock:  # a model of no known naming scheme is traced once: a forward of its own
+            value_paths(loaded.model)
     return flag
 
 
@@ -46,11 +47,12 @@ def recording(stream) -> Iterator[_Record]:
         yield _Record()
         return
     loaded = stream.loaded
-    paths = getattr(stream, "_value_paths", None)
-    if paths is None:  # once per stream: the output projections' per-head Gram matrices
-        paths = stream._value_paths = value_paths(loaded.model)
-    with loaded.lock, record_values(loaded.model, paths) as forwards:  # no other thread's forward
-        yield _Record(forwards, paths, stream.variants, stream.mode)
+    with loaded.lock:  # no other thread's forward (nor the trace of value_paths)
+        paths = getattr(stream, "_value_paths", None)
+        if paths is None:  # once per stream: the output projections' per-head Gram matrices
+            paths = stream._value_paths = value_paths(loaded.model)
+        with record_values(loaded.model, paths) as forwards:
+            yield _Record(forwards, paths, stream.variants, stream.mode)
 
 
 def _values(w) -> dict:

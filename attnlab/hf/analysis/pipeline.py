@@ -226,7 +226,7 @@ def stream_analysis(
     loaded = model_on(model, device)
     info = loaded.info
     variants, given = check_arguments(variants, mode, {"u": u, "iters": iters, **params}, info)
-    notes = []
+    notes = list(loaded.notes)  # what loading adjusted (e.g. the tokenizer class it loaded)
     if "u" not in given and isinstance(loaded, NativeModel):  # a native HNAS checkpoint's learned u
         learned = learned_u(loaded)
         if learned is not None:

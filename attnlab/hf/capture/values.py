@@ -4,7 +4,7 @@ Kobayashi et al. (2020), "Attention is Not Only a Weight", Eq. (6): a layer's at
 y_i = sum_h sum_j pi^h_ij f_h(x_j) (+ the output bias), with f_h(x_j) = (x_j W_V,h + b_V,h) W_O,h the
 value vector of token j in head h carried through that head's slice of the output projection. This
 module finds W_V (as the output of the value projection, recorded by a forward hook) and W_O per
-layer, for the architectures in ``VALUE_PATHS``:
+layer. The architectures in ``VALUE_PATHS`` are read by name (the fast path):
 
     arch family              value projection            output projection
     BERT, RoBERTa, ELECTRA   self.value (Linear)         parent attention's output.dense (Linear)
@@ -13,7 +13,11 @@ layer, for the architectures in ``VALUE_PATHS``:
     LLaMA, Mistral, Qwen2    v_proj (Linear, H_kv heads) o_proj (Linear)
 
 Grouped-query attention: value head g serves query heads g * H / H_kv ... (g + 1) * H / H_kv - 1
-(transformers' ``repeat_kv``). Anything else raises :class:`UnsupportedModelError` with the reason.
+(transformers' ``repeat_kv``). Every other model (ALBERT, ModernBERT, GPT-NeoX, GPT-J, OPT, CodeGen,
+Phi, Phi-3, ...: fused or differently named projections, layers sharing their weights) is traced once
+(:mod:`attnlab.hf.capture.value_trace`): the value projection is the one whose output holds the
+attention function's ``value`` argument, the output projection the one fed its output. A model whose
+values or output cannot be located so raises :class:`UnsupportedModelError` naming it and the reason.
 
 Shapes: values (B, N, H_kv, Dh) as recorded; W_O per head (H, Dh, D); f (B, H, N, D).
 Hooks are forward hooks on the value projections: they observe every forward (recompute, swap and
@@ -23,12 +27,14 @@ intervention runs alike) and are always removed on exit from :func:`record_value
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from attnlab.hf.capture.interface import UnsupportedModelError
+from attnlab.hf.capture.value_trace import is_projection, trace_value_paths
 
 __all__ = ["VALUE_PATHS", "ValuePath", "value_paths", "record_values", "head_outputs"]
 
@@ -49,7 +55,8 @@ class ValuePath:
     layer: int
     name: str  # qualified name of the attention module, e.g. "encoder.layer.0.attention.self"
     value_module: torch.nn.Module  # hooked: its output holds the values (B, N, width)
-    value_slice: slice  # the values' columns of that output (GPT-2: the last third of c_attn)
+    value_slice: slice | torch.Tensor  # the values' columns of that output (GPT-2: the last third of
+    # c_attn; traced: a (H_kv * Dh,) index tensor ordered (value head, dim), fused or interleaved layouts)
     w_out: torch.Tensor  # (H * Dh, D): attention output (concatenated heads) @ w_out = projection
     n_heads: int  # H
     n_kv_heads: int  # H_kv (values shared by H / H_kv query heads)
@@ -65,7 +72,7 @@ def _linear_w(module) -> torch.Tensor | None:
     """Weight as (in, out) for nn.Linear ((out, in) stored) and transformers' Conv1D ((in, out))."""
     if isinstance(module, torch.nn.Linear):
         return module.weight.detach().t()
-    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
+    if is_projection(module):  # Conv1D
         return module.weight.detach()
     return None
 
@@ -106,13 +113,27 @@ def _find(name: str, module, modules: dict) -> tuple[torch.nn.Module, slice, tor
     return None
 
 
-def value_paths(model) -> list[ValuePath]:
-    """One :class:`ValuePath` per self-attention layer, in layer order.
+def _path(model, layer: int, name: str, v_module, cols, w_out, H: int, H_kv: int) -> ValuePath:
+    """A checked :class:`ValuePath` (widths split into heads; W_O's per-head Gram matrices)."""
+    width = cols.stop - cols.start if isinstance(cols, slice) else cols.numel()
+    if width % H_kv or w_out.shape[0] % H:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} layer {name}: value width {width} does not split into {H_kv} "
+            f"value heads, or the output projection's {w_out.shape[0]} inputs into {H} heads"
+        )
+    Dh = width // H_kv
+    if w_out.shape[0] != H * Dh:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} layer {name}: output projection takes {w_out.shape[0]} inputs, "
+            f"expected {H} heads x {Dh} = {H * Dh}"
+        )
+    per_head = w_out.unflatten(0, (H, Dh))  # (H, Dh, D)
+    out_gram = torch.matmul(per_head, per_head.transpose(-1, -2)).float()  # (H, Dh, Dh)
+    return ValuePath(layer, name, v_module, cols, w_out, H, H_kv, Dh, out_gram)
 
-    Raises :class:`UnsupportedModelError` (a ValueError) naming the model when its value path cannot
-    be read (an attention module without a known value / output projection, widths that do not fit).
-    """
-    H, H_kv = _heads(model)
+
+def _named_paths(model, H: int, H_kv: int) -> list[ValuePath]:
+    """The fast path: attention modules whose projections ``VALUE_PATHS`` names."""
     modules = dict(model.named_modules())
     paths = []
     for name, module in modules.items():
@@ -121,31 +142,62 @@ def value_paths(model) -> list[ValuePath]:
         if "Attention" not in type(module).__name__ or getattr(module, "is_cross_attention", False):
             continue
         found = _find(name, module, modules)
-        if found is None:
-            continue
-        v_module, cols, w_out = found
-        width = cols.stop - cols.start
-        if width % H_kv or w_out.shape[0] % H:
-            raise UnsupportedModelError(
-                f"{type(model).__name__} layer {name}: value width {width} does not split into {H_kv} "
-                f"value heads, or the output projection's {w_out.shape[0]} inputs into {H} heads"
-            )
-        Dh = width // H_kv
-        if w_out.shape[0] != H * Dh:
-            raise UnsupportedModelError(
-                f"{type(model).__name__} layer {name}: output projection takes {w_out.shape[0]} inputs, "
-                f"expected {H} heads x {Dh} = {H * Dh}"
-            )
-        per_head = w_out.unflatten(0, (H, Dh))  # (H, Dh, D)
-        out_gram = torch.matmul(per_head, per_head.transpose(-1, -2)).float()  # (H, Dh, Dh)
-        paths.append(ValuePath(len(paths), name, v_module, cols, w_out, H, H_kv, Dh, out_gram))
-    if not paths:
+        if found is not None:
+            paths.append(_path(model, len(paths), name, *found, H, H_kv))
+    return paths
+
+
+# model -> its traced layers (module names and columns: the tensors are read afresh, so a model moved to
+# another device after the trace still gets its own weights)
+_TRACED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _traced_paths(model, H: int, H_kv: int) -> list[ValuePath]:
+    """The generic path: the layers found by one traced forward (cached per model)."""
+    traced = _TRACED.get(model)
+    if traced is None:
+        traced = _TRACED[model] = trace_value_paths(model, H, H_kv)
+    modules = dict(model.named_modules())
+    paths = []
+    for layer, t in enumerate(traced):
+        cols = torch.tensor(t.columns)
+        if bool((cols == torch.arange(cols[0], cols[0] + len(cols))).all()):
+            cols = slice(int(cols[0]), int(cols[0]) + len(cols))  # contiguous: a view, no gather
+        w_out = _linear_w(modules[t.out_name])
+        paths.append(_path(model, layer, t.value_name.rsplit(".", 1)[0], modules[t.value_name], cols, w_out,
+                           H, t.n_kv_heads))
+    return paths
+
+
+def value_paths(model) -> list[ValuePath]:
+    """One :class:`ValuePath` per self-attention layer, in layer order.
+
+    The naming schemes of ``VALUE_PATHS`` when they find every layer; otherwise one traced forward
+    (:func:`attnlab.hf.capture.value_trace.trace_value_paths`, with attnlab's capture in place of the
+    model's attention: callers serialize it with other forwards, e.g. under ``LoadedModel.lock``).
+    Raises :class:`UnsupportedModelError` (a ValueError) naming the model when its value path cannot
+    be read (values that are not a projection's output, an attention output that reaches no
+    projection unchanged, widths that do not fit, attention outside transformers' AttentionInterface).
+    """
+    H, H_kv = _heads(model)
+    cfg = model.config
+    n_layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", None)
+    named = _named_paths(model, H, H_kv)
+    transformers_model = hasattr(type(model), "_can_set_attn_implementation")
+    if named and (not transformers_model or not isinstance(n_layers, int) or len(named) == n_layers):
+        return named
+    if not transformers_model:  # no AttentionInterface to trace through
         raise UnsupportedModelError(
             f"{type(model).__name__} has no attention module attnlab can read values from (known: "
             + "; ".join(f"{k}: {v} -> {o}" for k, (v, o) in VALUE_PATHS.items())
             + "); contribution norms need each layer's value and output projections"
         )
-    return paths
+    try:
+        return _traced_paths(model, H, H_kv)
+    except UnsupportedModelError as e:
+        raise UnsupportedModelError(
+            f"contribution norms need each layer's value and output projections: {e}"
+        ) from None
 
 
 @contextlib.contextmanager
@@ -163,15 +215,18 @@ def record_values(model, paths: list[ValuePath] | None = None) -> Iterator[list[
         forwards.append([])
 
     def hook_for(path: ValuePath):
+        cols = path.value_slice
+
         def hook(_module, _inputs, output):
-            v = output[..., path.value_slice]  # (B, N, H_kv * Dh)
+            v = output[..., cols if isinstance(cols, slice) else cols.to(output.device)]  # (B, N, H_kv * Dh)
             forwards[-1].append(v.detach().reshape(*v.shape[:-1], path.n_kv_heads, path.head_dim))
 
         return hook
 
     handles = [model.register_forward_pre_hook(start)]
+    shared = {id(p.value_module): p for p in reversed(paths)}  # layers sharing weights (ALBERT): one hook
     try:
-        handles += [p.value_module.register_forward_hook(hook_for(p)) for p in paths]
+        handles += [p.value_module.register_forward_hook(hook_for(p)) for p in shared.values()]
         yield forwards
     finally:
         for h in handles:
@@ -255,13 +310,14 @@ def window_value_summaries(
     from attnlab.hf.capture.interface import use_variant
     from attnlab.hf.capture.variant_params import variant_kwargs
 
-    paths = value_paths(loaded.model)
     ids = input_ids.to(loaded.device)
-    with loaded.lock, torch.no_grad(), record_values(loaded.model, paths) as forwards:
-        if mode == "recompute":
-            loaded.model(input_ids=ids, use_cache=False)
-        else:
-            for v in variants:
-                with use_variant(loaded.model, v, **variant_kwargs(v, params, causal=loaded.info.causal)):
-                    loaded.model(input_ids=ids, use_cache=False)
+    with loaded.lock, torch.no_grad():
+        paths = value_paths(loaded.model)  # under the lock: a traced model's first call runs a forward
+        with record_values(loaded.model, paths) as forwards:
+            if mode == "recompute":
+                loaded.model(input_ids=ids, use_cache=False)
+            else:
+                for v in variants:
+                    with use_variant(loaded.model, v, **variant_kwargs(v, params, causal=loaded.info.causal)):
+                        loaded.model(input_ids=ids, use_cache=False)
     return window_summaries(forwards, paths, tuple(variants), mode)

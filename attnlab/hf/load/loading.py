@@ -341,4 +341,18 @@ def _load(directory: Path, embedded: bool, device: torch.device) -> LoadedModel:
         causal=first.causal,
         embedded=embedded,
     )
-    return LoadedModel(model=model, tokenizer=tokenizer, info=info)
+    note = _tokenizer_note(directory, tokenizer, config.model_type)
+    return LoadedModel(model=model, tokenizer=tokenizer, info=info, notes=(note,) if note else ())
+
+
+def _tokenizer_note(directory: Path, tokenizer, model_type: str) -> str | None:
+    """A note when transformers loaded a tokenizer class other than the one saved in
+    ``tokenizer_config.json`` (it may pick the model type's own: Qwen2Tokenizer for a qwen2 model saved
+    with a BERT tokenizer splits words into characters), else None. "Fast" suffixes are ignored."""
+    path = directory / "tokenizer_config.json"
+    saved = _read_json(path).get("tokenizer_class") if path.is_file() else None
+    loaded = type(tokenizer).__name__
+    if not isinstance(saved, str) or saved.removesuffix("Fast") == loaded.removesuffix("Fast"):
+        return None
+    return (f"tokenizer: transformers loaded {loaded} for this {model_type} model, not the {saved} saved in "
+            f"{path.name}; the tokens are {loaded}'s (they may differ from the saved tokenizer's)")

@@ -44,6 +44,9 @@ class LoadedModel:
     tokenizer: object
     info: ModelInfo
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
+    # what loading adjusted that the analysis should say (e.g. a tokenizer class other than the saved
+    # one); every analysis of the model carries them in its ``notes``
+    notes: tuple[str, ...] = ()
 
     @property
     def device(self) -> torch.device:
