@@ -556,16 +556,16 @@ def test_sidebar_widgets_come_from_the_variant_specs(app_env):
 
     at = open_page()
     for variant, p in param_specs():
-        widget = at.get("slider") + at.get("number_input")
+        widget = at.get("slider") + at.get("number_input") + at.get("select_slider")
         w = next(w for w in widget if w.key == f"inspect_{variant}_{p.name}")
-        assert w.value == p.default and w.help == p.help
-        if p.low is not None and hasattr(w, "min"):
+        assert w.value == p.default and w.help.startswith(p.help)
+        if p.low is not None and w.type == "slider":
             assert (w.min, w.max) == (p.low, p.high)
     # a parameter beyond u and iters reaches the analysis (Sinkhorn's tol), its manifest and the URL
-    at.slider(key="inspect_sinkhorn_tol").set_value(0.5).run()
-    assert not at.exception and "sinkhorn_tol" in at.query_params
+    at.select_slider(key="inspect_sinkhorn_tol").set_value(1e-3).run()
+    assert not at.exception and at.query_params["sinkhorn_tol"] == "0.001"
     snippet = next(c.value for c in open_exports(at, "inspect_heatmap").code if "attnlab analyze" in c.value)
-    assert "--tol 0.5" in snippet and "--iters 3" in snippet
+    assert "--tol 0.001" in snippet and "--iters 3" in snippet
 
 
 def sys_path_app():

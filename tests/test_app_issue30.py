@@ -199,3 +199,48 @@ def test_python_m_attnlab_is_the_attnlab_command():
                          cwd=REPO, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage: attnlab") and "analyze" in out.stdout
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. Inputs and the URL agree with the analysis
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("iters", [0, -3, 100_000])
+def test_out_of_range_iterations_are_refused_with_a_message(app_env, iters):
+    """Seen: Sinkhorn iterations of 0, -3 or 100000 stayed in the box (red outline) while the
+    analysis and the URL silently kept the previous value."""
+    at = run_page()
+    at.number_input(key="inspect_sinkhorn_iters").set_value(iters).run()
+    assert not at.exception
+    assert "Sinkhorn iters must be from 1 to 10,000" in messages(at)
+    assert at.number_input(key="inspect_sinkhorn_iters").value == iters
+    assert at.query_params["sinkhorn_iters"] == str(iters)  # the URL says what the box says
+    assert not [c for c in at.get("bidi_component") if c.key == "inspect_heatmap_view"]  # no analysis
+    at.number_input(key="inspect_sinkhorn_iters").set_value(5).run()
+    assert "must be from" not in messages(at) and at.query_params["sinkhorn_iters"] == "5"
+    assert [c for c in at.get("bidi_component") if c.key == "inspect_heatmap_view"]
+
+
+def test_tolerance_takes_powers_of_ten(app_env):
+    """Seen: the tolerance slider (0-1 in steps of 0.05) could not set 1e-3 or 1e-6."""
+    at = run_page()
+    tol = at.select_slider(key="inspect_sinkhorn_tol")
+    assert {"0.001", "1e-06"} <= set(tol.options)  # as shown
+    tol.set_value(1e-6).run()
+    assert not at.exception and at.query_params["sinkhorn_tol"] == "1e-06"
+    again = run_page(sinkhorn_tol="1e-06")  # the link reopens it
+    assert again.select_slider(key="inspect_sinkhorn_tol").value == 1e-6
+
+
+def test_u_slider_is_disabled_for_a_checkpoint_with_learned_u(app_env):
+    """Seen: the HNAS u slider stayed enabled for a checkpoint with learned u, where it did nothing."""
+    at = run_page()
+    assert not at.slider(key="inspect_hnas_u").disabled
+    hnas = [o for o in at.selectbox(key="inspect_model").options if o.startswith("enc-hnas")]
+    if not hnas:
+        pytest.skip("no shipped HNAS checkpoint")
+    at.selectbox(key="inspect_model").set_value(hnas[0]).run()
+    assert not at.exception, [e.message for e in at.exception]
+    assert at.slider(key="inspect_hnas_u").disabled
+    assert any("learned u" in c.value for c in at.sidebar.caption)

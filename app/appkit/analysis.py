@@ -18,6 +18,7 @@ import torch
 import attnlab
 from appkit.sources import (
     Source,
+    is_native,
     load,
 )
 from attnlab import hf
@@ -143,6 +144,18 @@ class WindowView:
                 "window": self.windowing["window"],
             },
         }
+
+
+def keeps_learned_u(source: Source) -> bool:
+    """True for a native HNAS checkpoint: its analysis uses the u it learned, whatever the u slider
+    says (so the slider is disabled there). A model that does not load: False (the page says why)."""
+    if source.path is None or not (source.kind == "native" or is_native(source.path)):
+        return False
+    try:
+        model = load(source)
+    except (ValueError, OSError):
+        return False
+    return isinstance(model, hf.NativeModel) and hf.load.native.learned_u(model) is not None
 
 
 @st.cache_resource(max_entries=4, ttl=1800, show_spinner=False)

@@ -16,7 +16,8 @@ import streamlit as st
 
 import attnlab
 from appkit import state
-from appkit.analysis import Settings, WindowView, _fail, _window, n_windows
+from appkit.analysis import Settings, WindowView, _fail, _window, keeps_learned_u, n_windows
+from appkit.params import param_widgets
 from appkit.sources import (
     EMBEDDED,
     UPLOAD_LIMIT_MB,
@@ -26,7 +27,7 @@ from appkit.sources import (
     checkpoint_sources,
     save_upload,
 )
-from appkit.variants import param_specs, settings_fields, variant_label
+from appkit.variants import settings_fields
 from attnlab import hf
 
 SAMPLE = (
@@ -225,49 +226,6 @@ def _model(prefix: str) -> tuple[Source | None, str | None]:
     return sources[choice], None
 
 
-def _param_widget(prefix: str, variant: str, p):
-    """One widget for one registered parameter (``attnlab.Param``): its default, bounds and help;
-    a slider when bounded, else a number box. Key and URL name: ``{variant}_{param}``."""
-    name, label = f"{variant}_{p.name}", f"{variant_label(variant)} {p.name}"
-    kw = {"help": p.help, "valid": _in_range(p), "url": state.INT if p.kind is int else state.FLOAT}
-    bounded = p.low is not None and p.high is not None
-    if p.kind is int:
-        if bounded and p.high - p.low <= 100:
-            return state.remembered(
-                prefix, name, st.slider, int(p.default), label, int(p.low), int(p.high), **kw
-            )
-        return state.remembered(
-            prefix,
-            name,
-            st.number_input,
-            int(p.default),
-            label,
-            min_value=p.low,
-            max_value=p.high,
-            step=1,
-            **kw,
-        )
-    if bounded:
-        lo, hi = float(p.low), float(p.high)
-        return state.remembered(
-            prefix, name, st.slider, float(p.default), label, lo, hi, step=(hi - lo) / 20, **kw
-        )
-    return state.remembered(
-        prefix, name, st.number_input, float(p.default), label, min_value=p.low, max_value=p.high, **kw
-    )
-
-
-def _in_range(p):
-    def ok(v) -> bool:
-        try:
-            v = p.kind(v)
-        except (TypeError, ValueError):
-            return False
-        return (p.low is None or v >= p.low) and (p.high is None or v <= p.high)
-
-    return ok
-
-
 def _settings(prefix: str, variants: bool = True) -> tuple[Settings | None, str | None]:
     """The sidebar, rendered in full whatever is missing; -> (settings, None) or (None, message)."""
     with st.sidebar:
@@ -298,9 +256,11 @@ def _settings(prefix: str, variants: bool = True) -> tuple[Settings | None, str 
             help="recompute: every variant from the model's own queries and keys; "
             "swap: the variant replaces the model's attention (later layers change too)",
         )
-        params = {p.name: _param_widget(prefix, v, p) for v, p in param_specs() if v in chosen}
+        learned = source is not None and "hnas" in chosen and keeps_learned_u(source)
+        params, bad_param = param_widgets(prefix, chosen, learned_u=learned)
     if problem is None and not chosen:
         problem = "Pick at least one variant."
+    problem = problem or bad_param
     if problem is not None:
         return None, problem
     ordered = tuple(v for v in attnlab.VARIANTS if v in chosen)
