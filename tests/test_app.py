@@ -157,7 +157,7 @@ def test_inspect_new_text_and_settings(app_env):
         (("notes.pdf", b"%PDF-1.4 binary", "application/pdf"), "is not a text file"),
         (("binary.txt", b"abc\x00\x01\x02", "text/plain"), "binary"),
         (("latin.txt", "café".encode("latin-1"), "text/plain"), "not UTF-8"),
-        (("huge.txt", b"word " * 1_200_000, "text/plain"), "the limit is 5 MB"),
+        (("huge.txt", b"word " * 1_200_000, "text/plain"), "more than a text of 1,000,000 characters"),
     ],
 )
 @pytest.mark.slow  # ~1 s: .ci/run runs it, the inner loop does not

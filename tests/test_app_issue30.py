@@ -244,3 +244,42 @@ def test_u_slider_is_disabled_for_a_checkpoint_with_learned_u(app_env):
     assert not at.exception, [e.message for e in at.exception]
     assert at.slider(key="inspect_hnas_u").disabled
     assert any("learned u" in c.value for c in at.sidebar.caption)
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. Uploads: the uploader states the real limit, and every oversize file gets a message
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "data, expected",
+    [
+        (b"word " * 1_040_000, "more than a text of 1,000,000 characters"),  # 5.2 MB
+        (b"wordy " * 170_000 + b"x" * 1_000, "has 1,021,000 characters; the app takes up to 1,000,000"),
+    ],
+    ids=["5.2 MB", "1,021,000 characters"],
+)
+def test_oversize_upload_says_so_and_analyses_nothing(app_env, data, expected):
+    """Seen: a 5.2 MB upload failed with only a red "!" on the file chip while the page went on
+    analysing the sample text; the uploader said "5MB per file" where the limit is 1,000,000
+    characters, and a 4.9 MB file was refused after the upload."""
+    at = run_page()
+    uploader = at.file_uploader(key="inspect_upload")
+    assert "1,000,000 characters" in uploader.label
+    from streamlit import config
+
+    assert uploader.proto.max_upload_size_mb in (0, config.get_option("server.maxUploadSize"))
+    uploader.set_value(("big.txt", data, "text/plain")).run()
+    assert not at.exception
+    assert expected in " | ".join(e.value for e in at.error)
+    assert not [c for c in at.get("bidi_component") if c.key == "inspect_heatmap_view"]
+
+
+def test_a_long_text_of_many_bytes_is_taken(app_env):
+    """1,000,000 characters of 2-byte UTF-8 (2 MB) are within the limit: only characters count."""
+    from appkit.controls import MAX_TEXT_CHARS, _decode_upload
+
+    text = "é" * (MAX_TEXT_CHARS - 1)
+    assert _decode_upload("long.txt", text.encode()) == text
+    with pytest.raises(ValueError, match="1,000,000"):
+        _decode_upload("long.txt", (text + "éé").encode())

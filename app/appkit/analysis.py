@@ -27,7 +27,6 @@ from attnlab.hf.compute.lazy_weights import LazyWeights
 _MOVED = {  # names that moved to appkit.controls with the controls
     "SAMPLE",
     "MAX_TEXT_CHARS",
-    "TEXT_UPLOAD_MB",
     "TEXT_TYPES",
     "LOCAL_DIR",
     "UPLOAD",

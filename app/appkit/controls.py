@@ -35,7 +35,14 @@ SAMPLE = (
     "Attention lets every word look at every other word; a word that no one looks at is explained away."
 )
 MAX_TEXT_CHARS = 1_000_000  # ~250k tokens; longer texts belong to `attnlab analyze`
-TEXT_UPLOAD_MB = 5
+MAX_TEXT_BYTES = 4 * MAX_TEXT_CHARS + 3  # UTF-8: at most 4 bytes a character, + a BOM
+# The text uploader takes any file the server takes (server.maxUploadSize) and the app checks the
+# text's characters: a byte limit on the widget refused a 5.2 MB file with only a red "!" on its
+# chip (the page went on with the sample text) and was not the real limit. Its "… MB per file" line
+# is hidden, as the label states the limit.
+UPLOADER_CSS = """<style>
+.st-key-{key} [data-testid="stFileUploaderDropzoneInstructions"] {{ display: none; }}
+</style>"""
 TEXT_TYPES = ("txt", "md")
 LOCAL_DIR = "Local Hugging Face directory…"
 UPLOAD = "Upload a checkpoint…"
@@ -56,10 +63,10 @@ BUSY_CSS = """<style>
 def _decode_upload(name: str, data: bytes) -> str:
     if not name.lower().endswith(tuple(f".{t}" for t in TEXT_TYPES)):
         raise ValueError(f"{name} is not a text file: upload a .txt or .md file")
-    if len(data) > TEXT_UPLOAD_MB * 1_000_000:
+    if len(data) > MAX_TEXT_BYTES:  # more bytes than any text of MAX_TEXT_CHARS characters has
         raise ValueError(
-            f"{name} is {len(data) / 1e6:.1f} MB; the limit is {TEXT_UPLOAD_MB} MB "
-            "(use `attnlab analyze FILE.txt` for long texts)"
+            f"{name} is {len(data) / 1e6:.1f} MB, more than a text of {MAX_TEXT_CHARS:,} characters (the "
+            "app's limit) can be; use `attnlab analyze FILE.txt` for longer texts"
         )
     if b"\x00" in data:
         raise ValueError(f"{name} looks binary (it contains NUL bytes); expected UTF-8 text")
@@ -69,6 +76,11 @@ def _decode_upload(name: str, data: bytes) -> str:
         raise ValueError(
             f"{name} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})"
         ) from None
+    if len(text) > MAX_TEXT_CHARS:
+        raise ValueError(
+            f"{name} has {len(text):,} characters; the app takes up to {MAX_TEXT_CHARS:,} (use "
+            "`attnlab analyze FILE.txt` for longer texts)"
+        )
     if not text.strip():
         raise ValueError(
             f"{name} is empty ({len(data)} bytes, no text): upload a file with text, or remove it "
@@ -127,11 +139,11 @@ def _text(prefix: str) -> tuple[str | None, str | None]:
         disabled=uploaded is not None,
         help="Paste any text; long texts are cut into overlapping windows of the model's length.",
     )
-    st.file_uploader(  # no type=: the app, not the browser, says what is wrong with a file
-        "…or upload a text file",
+    st.html(UPLOADER_CSS.format(key=f"{prefix}_upload"))
+    st.file_uploader(  # no type= and no size limit: the app, not the browser, says what is wrong
+        f"…or upload a text file (.txt or .md, up to {MAX_TEXT_CHARS:,} characters)",
         key=f"{prefix}_upload",
-        max_upload_size=TEXT_UPLOAD_MB,
-        help=f".txt or .md, UTF-8, up to {TEXT_UPLOAD_MB} MB; it replaces the text box until removed",
+        help="UTF-8 text; it replaces the text box until removed",
         on_change=_on_upload,
         args=(prefix,),
     )
