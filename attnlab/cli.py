@@ -23,6 +23,7 @@ COMMANDS = {
     "analyze": ("attnlab.analyze_cli", "analyse a text with every attention variant on a model"),
     "train": ("attnlab.train", "train a small transformer with any attention variant"),
     "corpus": ("attnlab.corpus.cli", "explaining-away statistics over a corpus (local or Ray)"),
+    "swap-eval": ("attnlab.swap_eval.cli", "LM loss with variants swapped in, per layer and position"),
     "bench": ("attnlab.bench", "benchmark attention variants against torch SDPA"),
 }
 

@@ -315,15 +315,20 @@ class Progress:
         self.write(status)
 
 
-def run_local(run: CorpusRun, progress: bool = False) -> dict:
-    """Analyse the pending shards one after the other in this process; -> {"shards", "tokens", "s"}."""
+def run_local(run: CorpusRun, progress: bool = False, score=None) -> dict:
+    """Analyse the pending shards one after the other in this process; -> {"shards", "tokens", "s"}.
+    ``score(docs) -> (table, tokens)`` computes one shard's rows (default: the corpus rows; attnlab
+    swap-eval passes its own)."""
+    if score is None:
+        def score(docs):
+            return analyse_documents(run.loaded, docs, run.row_settings(), run.bins)
     pending = run.pending()
     bar = Progress(run, pending, progress, "local")
     tokens = 0
     t0, cpu0 = time.perf_counter(), time.process_time()
     try:
         for shard, docs in run.texts(pending):
-            table, n_tokens = analyse_documents(run.loaded, docs, run.row_settings(), run.bins)
+            table, n_tokens = score(docs)
             write_shard(run.out, shard, table)
             tokens += n_tokens
             bar.shard_done(shard, n_tokens)

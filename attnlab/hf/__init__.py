@@ -16,6 +16,8 @@ Public surface::
         ...
     with hf.use_variant(loaded.model, "dnas"):  # swap a variant into any supported HF model
         loaded.model(**batch, output_attentions=True)
+    lm = hf.load_language_model("models/gpt2")  # with its causal or masked LM head
+    hf.language_model_loss(texts, lm, "dnas", layers=[3])  # nats per token, DNAS in layer 3
 
 Corpus-scale analysis lives one level up, in ``attnlab.corpus.analyze_corpus`` (it calls this package's
 ``load_model`` and ``stream_analysis``; ``hf.analyze_corpus``, its old re-export here, is gone so that
@@ -41,6 +43,7 @@ from attnlab.hf.analysis.pipeline import (  # noqa: E402
     stream_analysis,
 )
 from attnlab.hf.beyond.activations import massive_activations  # noqa: E402
+from attnlab.hf.beyond.lm_loss import language_model_loss  # noqa: E402
 from attnlab.hf.capture.interface import (  # noqa: E402
     CAPTURE,
     CapturedLayer,
@@ -58,6 +61,7 @@ from attnlab.hf.load.loading import (  # noqa: E402
     ModelLoadError,
     clear_model_cache,
     default_model_path,
+    load_language_model,
     load_model,
     model_on,
     resolve_device,
@@ -91,6 +95,8 @@ __all__ = [
     "default_model_path",
     "hnas_u_from_checkpoint",
     "implementation_name",
+    "language_model_loss",
+    "load_language_model",
     "load_model",
     "load_native",
     "massive_activations",

@@ -46,9 +46,7 @@ def load_with_lm_head(path: str | os.PathLike, *, device="cpu") -> LoadedModel:
     for :func:`head_interventions`. The directory is first checked and probed by
     :func:`attnlab.hf.load_model` (its tokenizer and facts are reused). ValueError when the model is not
     causal or its weights have no LM head (and it is not tied to the input embeddings)."""
-    from transformers import AutoModelForCausalLM
-
-    from attnlab.hf.load.loading import ModelLoadError, _quiet_transformers, load_model
+    from attnlab.hf.load.loading import load_language_model, load_model
 
     base = load_model(path, device=device)
     if not base.info.causal:
@@ -56,28 +54,7 @@ def load_with_lm_head(path: str | os.PathLike, *, device="cpu") -> LoadedModel:
             f"load_with_lm_head: {base.info.name} is not a causal LM (it is a {base.info.model_type} "
             "encoder); encoders need no head, pass them to head_interventions as they are"
         )
-    with _quiet_transformers():
-        try:
-            lm, info = AutoModelForCausalLM.from_pretrained(
-                base.info.path,
-                use_safetensors=True,
-                dtype=torch.float32,
-                output_loading_info=True,
-                local_files_only=True,
-                trust_remote_code=False,
-            )
-        except Exception as e:  # noqa: BLE001 -- many exception types from transformers
-            raise ModelLoadError(
-                f"cannot load {base.info.path} with its LM head: {e.__class__.__name__}: {e}"
-            ) from None
-    tied = bool(getattr(lm.config, "tie_word_embeddings", False))
-    if any("lm_head" in k for k in info.get("missing_keys") or ()) and not tied:
-        raise ModelLoadError(
-            f"the weights in {base.info.path} have no LM head (lm_head.weight is missing and the "
-            "config does not tie it to the input embeddings); save the model with its head"
-        )
-    lm.eval().to(base.device)
-    return LoadedModel(model=lm, tokenizer=base.tokenizer, info=base.info)
+    return load_language_model(path, device=device)
 
 
 @dataclass

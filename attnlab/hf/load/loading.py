@@ -36,6 +36,8 @@ __all__ = [
     "ModelInfo",
     "LoadedModel",
     "load_model",
+    "load_language_model",
+    "LM_HEADS",
     "clear_model_cache",
     "default_model_path",
     "model_on",
@@ -90,6 +92,45 @@ def load_model(path: str | os.PathLike | None = None, *, device="cpu") -> Loaded
         if k not in cache:
             cache[k] = _load(directory, embedded, dev)
         return cache[k]
+
+
+# the LM heads attnlab loads: what the model is -> transformers' auto class (a head the model's weights carry)
+LM_HEADS = {"causal": "AutoModelForCausalLM", "masked": "AutoModelForMaskedLM"}
+
+
+def load_language_model(path: str | os.PathLike | None = None, *, device="cpu") -> LoadedModel:
+    """A local model with its language-model head: ``AutoModelForCausalLM`` for a causal model,
+    ``AutoModelForMaskedLM`` for an encoder (safetensors only, no remote code, not cached).
+
+    The directory is first checked and probed by :func:`load_model` (its tokenizer and facts are
+    reused; ``info.architecture`` stays the base model's). Raises :class:`ModelLoadError` (a
+    ValueError) naming the supported heads when the weights carry no such head (a head transformers
+    would initialize at random is refused; one tied to the input embeddings is fine), e.g. the
+    embedded MiniLM, which ships without its masked-LM head.
+    """
+    import transformers
+
+    base = load_model(path, device=device)
+    kind = "causal" if base.info.causal else "masked"
+    supported = ", ".join(f"{k} ({v})" for k, v in LM_HEADS.items())
+    with _quiet_transformers():
+        try:
+            lm, loading = getattr(transformers, LM_HEADS[kind]).from_pretrained(
+                base.info.path, use_safetensors=True, dtype=torch.float32, output_loading_info=True,
+                local_files_only=True, trust_remote_code=False,
+            )
+        except Exception as e:  # noqa: BLE001 -- e.g. a model type with no such head class
+            raise ModelLoadError(f"model {base.info.name} has no LM head that attnlab can load (a {kind} "
+                                 f"one: {_brief(e)}); supported heads: {supported}") from None
+    prefix = getattr(lm, "base_model_prefix", "") + "."
+    head_missing = sorted(k for k in loading.get("missing_keys") or () if not k.startswith(prefix))
+    if head_missing:
+        raise ModelLoadError(
+            f"model {base.info.name} has no LM head in its weights (a {kind} one: {len(head_missing)} head "
+            f"weights missing, e.g. {head_missing[0]}); supported heads: {supported}, saved with the model "
+            "(e.g. AutoModelForMaskedLM.save_pretrained)")
+    lm.eval().to(base.device)
+    return LoadedModel(model=lm, tokenizer=base.tokenizer, info=base.info, notes=base.notes)
 
 
 def model_on(model: LoadedModel | str | os.PathLike | None, device=None) -> LoadedModel:
