@@ -42,6 +42,49 @@ def warm() -> float:
     return time.monotonic() - t0
 
 
+# Streamlit's page cannot tell from its URL whether /corpus is the page "corpus" of an app at / or an
+# app served at /corpus, so it asked /corpus/_stcore/health first (a 404 in the console, a wasted
+# round trip: streamlit/streamlit#7074). Its documented window.__streamlit settings (BACKEND_BASE_URL,
+# MAIN_PAGE_BASE_URL; streamlit/streamlit#11378, #11537) say where the server and the main page are.
+BASE_URL_SCRIPT = """<script>
+window.__streamlit = Object.assign({}, window.__streamlit, (() => {
+  const base = window.location.origin + "/%s";
+  return {BACKEND_BASE_URL: base, MAIN_PAGE_BASE_URL: base};
+})());
+</script>
+"""
+
+
+def static_dir_with_base_url(static: Path, base_url_path: str, into: Path) -> Path:
+    """A copy of Streamlit's static folder in ``into`` (links to its files) whose index.html names
+    the server's base URL (``server.baseUrlPath``) before Streamlit's script reads it."""
+    into.mkdir(parents=True, exist_ok=True)
+    for entry in static.iterdir():
+        if entry.name != "index.html" and not (into / entry.name).exists():
+            (into / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
+    html = (static / "index.html").read_text(encoding="utf-8")
+    script = BASE_URL_SCRIPT % base_url_path.strip("/").replace('"', "")
+    (into / "index.html").write_text(html.replace("<head>", "<head>\n" + script, 1), encoding="utf-8")
+    return into
+
+
+def serve_base_url() -> None:
+    """Make this server's Streamlit serve index.html from a folder that names its base URL."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from streamlit import config, file_util
+
+    into = Path(tempfile.mkdtemp(prefix="attnlab-static-"))
+    atexit.register(shutil.rmtree, into, ignore_errors=True)
+    static = Path(file_util.get_static_dir())
+    # called when the server makes its routes, after `streamlit run` has read its options
+    file_util.get_static_dir = lambda: str(
+        static_dir_with_base_url(static, config.get_option("server.baseUrlPath") or "", into)
+    )
+
+
 def main(argv: list[str]) -> None:
     from streamlit.web import cli
 
@@ -50,6 +93,7 @@ def main(argv: list[str]) -> None:
     logging.getLogger("streamlit").setLevel(logging.WARNING)
     print(f"attnlab: warmed up in {took:.1f} s (torch, transformers, MiniLM, kernels)", flush=True)
     sys.argv = ["streamlit", "run", str(APP / "streamlit_app.py"), *argv]
+    serve_base_url()
     cli.main()
 
 

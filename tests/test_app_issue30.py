@@ -6,6 +6,7 @@ requests). Offline: the embedded MiniLM and the shipped checkpoints.
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -283,3 +284,123 @@ def test_a_long_text_of_many_bytes_is_taken(app_env):
     assert _decode_upload("long.txt", text.encode()) == text
     with pytest.raises(ValueError, match="1,000,000"):
         _decode_upload("long.txt", (text + "éé").encode())
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. Live fragments: one per page, polling only while their run is active
+# ----------------------------------------------------------------------------------------------
+
+
+def _fragments(page: Path) -> list[str]:
+    """Names of the functions a page decorates with @st.fragment."""
+    out = []
+    for node in ast.walk(ast.parse(page.read_text())):
+        if isinstance(node, ast.FunctionDef):
+            for d in node.decorator_list:
+                target = d.func if isinstance(d, ast.Call) else d
+                if isinstance(target, ast.Attribute) and target.attr == "fragment":
+                    out.append(node.name)
+    return out
+
+
+def test_every_page_fragment_has_its_own_name():
+    """Streamlit names a fragment by its function's module + name + place, and every page runs as
+    __main__: Train's and Corpus's `live` were one fragment id, so one page's `run_every` timer could
+    rerun the other page's fragment after a page change."""
+    names = [name for page in sorted(PAGES.glob("*.py")) for name in _fragments(page)]
+    assert {"train_live", "corpus_live", "hybrid_live"} <= set(names)
+    assert len(names) == len(set(names)), names
+
+
+@pytest.fixture
+def auto_reruns(monkeypatch) -> list[str]:
+    """The fragment ids of the `run_every` timers the pages start (their auto_rerun messages)."""
+    from streamlit.runtime.scriptrunner_utils.script_run_context import ScriptRunContext
+
+    seen = []
+    enqueue = ScriptRunContext.enqueue
+
+    def record(self, msg):
+        if msg.WhichOneof("type") == "auto_rerun":
+            seen.append(msg.auto_rerun.fragment_id)
+        return enqueue(self, msg)
+
+    monkeypatch.setattr(ScriptRunContext, "enqueue", record)
+    return seen
+
+
+def test_live_fragments_poll_only_while_their_run_is_active(app_env, auto_reruns):
+    """A Train run and a Corpus run, both active: each page polls with its own fragment; once the
+    runs have ended, no page polls."""
+    from appkit import corpus_runs, runs
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        train_dir = runs.runs_dir() / "live-train"
+        corpus_dir = corpus_runs.corpus_dir() / "live-corpus"
+        for d, config in ((train_dir, runs.CONFIG), (corpus_dir, corpus_runs.CONFIG)):
+            d.mkdir(parents=True)
+            (d / config).write_text(json.dumps({"train": {"steps": 10}}))
+            (d / runs.PROCESS).write_text(json.dumps({"pid": child.pid, "started": 0}))
+        runs._CHILDREN[child.pid] = child
+        polling = {}
+        for page in ("train", "corpus", "hybrid_weights"):
+            auto_reruns.clear()
+            at = run_page(page)
+            if page == "hybrid_weights":
+                at.selectbox(key="hybrid_source").set_value("live-train (run, starting)").run()
+            polling[page] = set(auto_reruns)
+        assert all(polling.values()), polling
+        assert len(set.union(*polling.values())) == 3, polling  # three fragments, three ids
+        child.kill()
+        child.wait()
+        for page in ("train", "corpus"):
+            auto_reruns.clear()
+            run_page(page)
+            assert not auto_reruns, page
+    finally:
+        child.kill()
+        runs._CHILDREN.pop(child.pid, None)
+
+
+# ----------------------------------------------------------------------------------------------
+# 8. Corpus progress: "starting…" until this process has a rate; no stale rate after a Resume
+# ----------------------------------------------------------------------------------------------
+
+
+def test_corpus_progress_says_starting_until_it_has_a_rate(app_env):
+    """Seen: "0 of 24 documents, 0 tokens/s" for the first ~30 s, and the old rate and ETA after a
+    Resume."""
+    from appkit.corpus_runs import CorpusRun, progress_line
+
+    def line(status, progress, started=100.0):
+        return progress_line(CorpusRun(Path("r"), status, progress, 1, started))[1]
+
+    assert "starting…" in line("starting", {})
+    first = {"documents_done": 0, "documents": 24, "tokens_per_s": 0.0, "eta_s": None, "updated": 101.0}
+    assert "starting…" in line("running", first) and "tokens/s" not in line("running", first)
+    before_resume = {"documents_done": 8, "documents": 24, "tokens_per_s": 900.0, "eta_s": 40.0,
+                     "updated": 50.0}  # written by the process before the Resume (started at 100)
+    resumed = line("running", before_resume)
+    assert "starting…" in resumed and "8 of 24 documents done before" in resumed
+    assert "tokens/s" not in resumed and "ETA" not in resumed
+    fresh = {**before_resume, "documents_done": 16, "updated": 130.0}
+    assert line("running", fresh) == "**running** — 16 of 24 documents, 900 tokens/s, ETA 40 s"
+    assert line("stopped", fresh) == "**stopped** — 16 of 24 documents"
+
+
+def test_index_html_names_the_server_root(app_env, tmp_path):
+    """Seen: a deep link such as /corpus requested /corpus/_stcore/health (404) before
+    /_stcore/health. app/serve.py serves index.html with Streamlit's window.__streamlit base URLs
+    set (tests/test_browser.py checks the requests in Chromium)."""
+    import serve
+    from streamlit import file_util
+
+    static = Path(file_util.get_static_dir())
+    out = serve.static_dir_with_base_url(static, "/lab/", tmp_path / "static")
+    html = (out / "index.html").read_text()
+    script, module = html.index("window.__streamlit"), html.index('<script type="module"')
+    assert script < module and 'window.location.origin + "/lab"' in html
+    assert "BACKEND_BASE_URL: base, MAIN_PAGE_BASE_URL: base" in html
+    assert {p.name for p in out.iterdir()} == {p.name for p in static.iterdir()}
+    assert (out / "static").resolve() == (static / "static").resolve()

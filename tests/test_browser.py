@@ -117,8 +117,14 @@ def serve(tmp_path: Path):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with serve(tmp_path_factory.mktemp("server")) as running:
+def server_dir(tmp_path_factory) -> Path:
+    """The module server's folder (its runs under runs/, texts, log)."""
+    return tmp_path_factory.mktemp("server")
+
+
+@pytest.fixture(scope="module")
+def server(server_dir):
+    with serve(server_dir) as running:
         yield running
 
 
@@ -396,6 +402,70 @@ def test_sidebar_survives_a_local_directory_in_the_browser(server):
         )
         assert position == "fixed"
         browser.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 30: deep links, the Deploy button, live fragments across a page change
+# ----------------------------------------------------------------------------------------------
+
+
+def test_deep_link_asks_only_the_server_root(server):
+    """Seen: opening /corpus requested /corpus/_stcore/health (a 404 in the console) before
+    /_stcore/health; and Streamlit's Deploy button was shown."""
+    url, _, _ = server
+    with sync_api.sync_playwright() as p:
+        browser = _browser(p)
+        page = browser.new_page(viewport={"width": 1280, "height": 800})
+        requests, failed = [], []
+        page.on("request", lambda r: requests.append(r.url))
+        page.on("response", lambda r: failed.append(r.url) if r.status >= 400 else None)
+        page.goto(f"{url}/corpus", wait_until="domcontentloaded")
+        page.get_by_role("heading", name="Corpus atlas").wait_for(timeout=120_000)
+        _idle(page)
+        assert not [r for r in requests if "/corpus/_stcore" in r], requests
+        assert not failed, failed
+        assert page.url.startswith(f"{url}/corpus")
+        page.get_by_role("link", name="Hybrid weights").click()  # navigation keeps working
+        page.get_by_role("heading", name="Hybrid weights").wait_for(timeout=60_000)
+        assert page.url.startswith(f"{url}/hybrid_weights")
+        assert page.locator('[data-testid="stAppDeployButton"]').count() == 0
+        browser.close()
+
+
+def test_live_run_then_hybrid_weights_keeps_the_page(server, server_dir):
+    """Seen (1 of 4 tries): the Hybrid weights page went blank (`Cannot destructure property
+    'deltaPath'`) after a Train run finished while its live fragment refreshed, a switch to Hybrid
+    weights, and choosing that run. Here: a run that looks active (a process naming its folder) is
+    watched on Train, ends, and the user goes to Hybrid weights and picks it, three times over."""
+    url, _, _ = server
+    errors = []
+    with sync_api.sync_playwright() as p:
+        browser = _browser(p)
+        page = browser.new_page(viewport={"width": 1280, "height": 800})
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        for k in range(3):
+            run = server_dir / "runs" / f"live-{k}"
+            run.mkdir(parents=True)
+            (run / "app_config.json").write_text(json.dumps({"train": {"steps": 10}}))
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", str(run)])
+            (run / "app_process.json").write_text(json.dumps({"pid": child.pid, "started": time.time()}))
+            try:
+                page.goto(f"{url}/train", wait_until="domcontentloaded")
+                page.get_by_text("starting — step 0").first.wait_for(timeout=120_000)
+                time.sleep(2.5)  # a refresh of the live fragment
+            finally:
+                child.kill()
+                child.wait()
+            time.sleep(1.0 + k)  # the run ends around the next refresh
+            page.get_by_role("link", name="Hybrid weights").click()
+            page.get_by_role("heading", name="Hybrid weights").wait_for(timeout=60_000)
+            page.locator(".st-key-hybrid_source").click()
+            page.get_by_role("option", name=re.compile(f"live-{k} ")).click()
+            time.sleep(3.0)  # what a stray refresh would need to arrive
+            _idle(page)
+            assert page.get_by_role("heading", name="Hybrid weights").is_visible()
+        browser.close()
+    assert not errors, errors
 
 
 def test_timing_script_prints_and_writes_every_figure(tmp_path):

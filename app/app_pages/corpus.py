@@ -88,16 +88,14 @@ chosen = st.selectbox("Run", list(all_runs), key=f"{P}_run",
                       format_func=lambda n: f"{n} — {all_runs[n].status}")
 
 
+# A fragment's id is its function's name + place, and every page runs as __main__: named per page,
+# so another page's timer cannot rerun it (and it stops polling once the run has ended: issue 30).
 @st.fragment(run_every=2.0 if all_runs[chosen].active else None)
-def live(run_dir):
+def corpus_live(run_dir):
     run = corpus_runs.inspect(run_dir)
-    if not run.active and all_runs[chosen].active:
-        st.rerun()
-    p = run.progress
-    done, total = p.get("documents_done", 0), max(p.get("documents", 0), 1)
-    eta = f", ETA {p['eta_s']:.0f} s" if p.get("eta_s") else ""
-    st.progress(min(1.0, done / total), text=f"**{run.status}** — {done} of {p.get('documents', '?')} "
-                f"documents, {p.get('tokens_per_s', 0):,.0f} tokens/s{eta}")
+    if run.status != all_runs[chosen].status:
+        st.rerun()  # it ended (redraw without polling) or started: the picker says the same as the bar
+    st.progress(*corpus_runs.progress_line(run))
     a, b, _ = st.columns([1, 1, 4])
     if a.button("Stop", key=f"{P}_stop", disabled=not run.active):
         corpus_runs.stop(run)
@@ -112,4 +110,4 @@ def live(run_dir):
         show_result(open_result(run.result), "run")
 
 
-live(all_runs[chosen].dir)
+corpus_live(all_runs[chosen].dir)

@@ -66,10 +66,15 @@ def final_u(run_dir, records):
     )
 
 
+# A fragment's id is its function's name + place, and every page runs as __main__: named per page.
+# It polls only while the run trains, and redraws the page without polling once the run has ended (it
+# polled on every 3 s until the page was left, and one refresh landing after a page change blanked it).
 @st.fragment(run_every=3.0 if active else None)
-def curves():
+def hybrid_live():
     from attnlab.train import read_metrics
 
+    if active and not runs.inspect(run_dir).active:
+        st.rerun()
     recs = read_metrics(run_dir / "metrics.jsonl") if run_dir is not None else records
     if not any(r.get("u") is not None for r in recs):
         st.warning("This log has no hybrid weights (no 'u' field); pick an HNAS run.")
@@ -90,4 +95,4 @@ def curves():
         )
 
 
-curves()
+hybrid_live()

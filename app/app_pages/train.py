@@ -84,11 +84,13 @@ chosen = st.selectbox(
 )
 
 
+# A fragment's id is its function's name + place, and every page runs as __main__: named per page,
+# so another page's timer cannot rerun it (and it stops polling once the run has ended: issue 30).
 @st.fragment(run_every=2.0 if all_runs[chosen].active else None)
-def live(run_dir):
+def train_live(run_dir):
     run = runs.inspect(run_dir)
-    if run.active != all_runs[chosen].active:
-        st.rerun()  # it just ended (redraw without polling) or just started (redraw polling)
+    if run.status != all_runs[chosen].status:
+        st.rerun()  # it ended (redraw without polling), started or resumed: the picker says as the bar
     st.progress(
         min(1.0, run.logged_step / max(run.steps, 1)),
         text=f"**{run.status}** — step {run.logged_step} of {run.steps} (checkpoint at step {run.step})",
@@ -131,4 +133,4 @@ def live(run_dir):
         )
 
 
-live(all_runs[chosen].dir)
+train_live(all_runs[chosen].dir)
