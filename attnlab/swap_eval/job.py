@@ -145,10 +145,10 @@ def _schema():
     )
 
 
-def score_documents(loaded, documents, swaps, settings: SwapEvalSettings, on_window=None):
+def score_documents(loaded, documents, swaps, settings: SwapEvalSettings):
     """-> (rows, scored tokens): a pyarrow Table of :func:`_schema` for ``documents`` = (doc_index,
     doc_id, parts), every window of every part scored under every swap (hf.beyond.lm_loss), losses
-    summed per (document, swap, position). ``on_window(n_tokens)`` after each window (progress)."""
+    summed per (document, swap, position). ``swaps``: :func:`plan_swaps`'s."""
     import pyarrow as pa
 
     from attnlab.hf.beyond.lm_loss import text_windows, window_losses
@@ -178,8 +178,6 @@ def score_documents(loaded, documents, swaps, settings: SwapEvalSettings, on_win
                 counts += np.bincount(losses[0].positions, minlength=window)
                 scored += len(losses[0].positions)
                 w += 1
-                if on_window is not None:
-                    on_window(len(ids))
         at = np.flatnonzero(counts)  # positions with scored tokens
         for k, (variant, layer, _) in enumerate(swaps):
             for name, value in (
