@@ -404,3 +404,34 @@ def test_index_html_names_the_server_root(app_env, tmp_path):
     assert "BACKEND_BASE_URL: base, MAIN_PAGE_BASE_URL: base" in html
     assert {p.name for p in out.iterdir()} == {p.name for p in static.iterdir()}
     assert (out / "static").resolve() == (static / "static").resolve()
+
+
+# ----------------------------------------------------------------------------------------------
+# 10. Drill down: a head of the grid or the model view becomes the page's layer and head
+# ----------------------------------------------------------------------------------------------
+
+
+def test_grid_and_model_view_know_the_shown_head_and_the_focus(app_env):
+    """The browser draws the shown head framed in the grid and the model view (a click on another
+    drills down: tests/test_browser.py), and the grid outlines the focused token like every view."""
+    from appkit.token_views import decoded
+
+    at = run_page(focus="3", layer="4", head="5")
+    shown = {c.key.removesuffix("_view"): decoded(json.loads(c.proto.json)) for c in at.get("bidi_component")}
+    for key in ("inspect_grid", "inspect_model_view"):
+        assert (shown[key]["layer_shown"], shown[key]["head_shown"], shown[key]["focus"]) == (4, 5, 3)
+
+
+def test_grid_export_outlines_the_focus_in_every_map():
+    from attnlab.figures.attention import FOCUS_COLOR, attention_grid
+
+    rng = np.random.default_rng(0)
+    w = rng.dirichlet(np.ones(6), size=(2, 3, 6)).astype(np.float32)  # (L, H, N, N)
+    tokens = ["a", "b", "c", "d", "e", "f"]
+    fig = attention_grid(w, tokens, focus=2)
+    assert "(focus: 2: c)" in fig.layout.title.text
+    shapes = fig.layout.shapes
+    assert len(shapes) == 2 * 2 * 3 and all(s.line.color == FOCUS_COLOR for s in shapes)
+    rows = sorted({(s.y0, s.y1) for s in shapes if s.x1 - s.x0 > 1})  # the row outlines, per layer
+    assert rows == [(1.5, 2.5), (8.5, 9.5)]  # layer 1's map starts at row N + 1 = 7
+    assert attention_grid(w, tokens).layout.shapes == ()

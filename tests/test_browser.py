@@ -468,6 +468,46 @@ def test_live_run_then_hybrid_weights_keeps_the_page(server, server_dir):
     assert not errors, errors
 
 
+def _click_in_sight(page, key: str, *where) -> None:
+    """A real click at ``v.pointOf(*where)`` of token view ``key``, scrolled (mouse wheel) until that
+    point is in the window: the model view of a long text is taller than the window."""
+    page.locator(f".st-key-{key} .attnlab-view").scroll_into_view_if_needed()
+    for _ in range(6):
+        x, y = page.evaluate(f"where => {VIEW(key)}.pointOf(...where)", list(where))
+        height = page.evaluate("() => window.innerHeight")
+        if 40 < y < height - 40:
+            break
+        page.mouse.move(x, height / 2)
+        page.mouse.wheel(0, y - height / 2)
+        time.sleep(0.3)
+    page.mouse.click(x, y)
+
+
+def test_drill_down_from_the_grid_and_the_model_view(server):
+    """Issue 30, item 10 (bertviz's and CircuitsVis's habit): a click on a map of the layer x head
+    grid makes its layer and head the map's and the head view's; a click on a token of another head
+    in the model view does that and focuses the token; the grid shows the focus."""
+    url, _, _ = server
+    with sync_api.sync_playwright() as p:
+        browser, page = _open_inspect(p, url)
+        _click_in_sight(page, "inspect_grid", 4, 3)
+        _heatmap(page, "unas: layer 4, head 3", timeout_s=60)
+        head_view = "unas: head view, layer 4, head 3"
+        _wait_view(page, "inspect_head_view", "v.dataset.title.startsWith(arg)", head_view)
+        page.wait_for_function("() => /layer=4/.test(location.search) && /head=3/.test(location.search)")
+        _idle(page)
+        _click_in_sight(page, "inspect_model_view", 5, 1, 2)  # token 5 of layer 1, head 2
+        _heatmap(page, "unas: layer 1, head 2", timeout_s=60)
+        _wait_view(page, "inspect_heatmap", "v.dataset.focus === '5'")
+        _wait_view(page, "inspect_grid", "v.dataset.title.includes('(focus: 5: ')")
+        _idle(page)
+        _click_in_sight(page, "inspect_model_view", 6, 1, 2)  # a token of the shown head: focus only
+        _wait_view(page, "inspect_heatmap", "v.dataset.focus === '6'")
+        _idle(page)
+        assert page.evaluate(f"() => {VIEW('inspect_heatmap')}.dataset.title") == "unas: layer 1, head 2"
+        browser.close()
+
+
 def test_timing_script_prints_and_writes_every_figure(tmp_path):
     """scripts/app_timings.py (the one command that measures issue 14's targets) runs end to end on a
     fresh server of its own: every figure in its JSON, positive and finite, and a screenshot of every

@@ -66,6 +66,8 @@ def view_data(kind: str, view: WindowView, variant: str, layer: int, head: int |
     w = np.asarray(view.weights[variant])  # (L, H, N, N)
     L, H, N, _ = w.shape
     d = {"kind": kind, "group": view.key, "variant": variant, "tokens": list(view.tokens), "n": N}
+    if kind in ("grid", "model_view"):  # the head the page shows, framed; a click on another drills down
+        d.update(layer_shown=layer, head_shown=head)
     if kind == "heatmap":
         m = w[layer, head]
         top = float(np.nanmax(m)) if m.size and np.isfinite(m).any() else 1.0
@@ -143,16 +145,34 @@ def decoded(data: dict) -> dict:
     return out
 
 
-def _on_click(view_key: str, key: str) -> None:
-    """A click in a view: the focus it set ({focus: position or -1, seq}) becomes the shared focus."""
-    value = st.session_state[key].get("focus") if st.session_state.get(key) else None
-    if not value:
-        return
+def _take_focus(view_key: str, value: dict) -> None:
+    """The focus a click set in the browser ({focus: position or -1, seq}) becomes the shared focus."""
     position = value.get("focus")
     if position is not None and position < 0:
         position = None  # -1: the focus was cleared
     state.shared()[FOCUS] = {"view": view_key, "position": position}
     state.shared()[SEQ] = max(int(value.get("seq", 0)), state.shared().get(SEQ, 0))
+
+
+def _on_click(view_key: str, key: str) -> None:
+    """A click on a token in a view (trigger "focus")."""
+    value = st.session_state[key].get("focus") if st.session_state.get(key) else None
+    if value:
+        _take_focus(view_key, value)
+
+
+def _on_head(prefix: str, view_key: str, key: str) -> None:
+    """A click on a head of the grid or the model view (trigger "head": {layer, head, focus, seq}):
+    that head becomes the page's layer and head (its sliders, the session, the URL); a model-view
+    click's token becomes the focus."""
+    value = st.session_state[key].get("head") if st.session_state.get(key) else None
+    if not value:
+        return
+    layer, head = int(value["layer"]), int(value["head"])
+    st.session_state[f"{prefix}_layer"], st.session_state[f"{prefix}_head"] = layer, head
+    state.shared().update(layer=layer, head=head)
+    if int(value.get("seq", 0)) > state.shared().get(SEQ, 0):  # the click also (un)focused a token
+        _take_focus(view_key, value)
 
 
 def token_view(
@@ -176,12 +196,13 @@ def token_view(
             data=data,
             key=f"{key}_view",
             on_focus_change=lambda: _on_click(view.key, f"{key}_view"),
+            on_head_change=lambda: _on_head(prefix, view.key, f"{key}_view"),
         )
     values = state.shared()  # this session's, read again when a file is asked for (another thread)
 
     def params() -> dict:  # the focus of the moment a file is asked for
         if kind == "grid":
-            return {"variant": variant, "max_tokens": GRID_MAX_TOKENS}
+            return {"variant": variant, "max_tokens": GRID_MAX_TOKENS, "focus": current_focus(view, values)}
         return {"variant": variant, "layer": layer, "head": head, "focus": current_focus(view, values)}
 
     export_menu(

@@ -11,6 +11,9 @@
 // focus reaches the URL and the other pages: through the page's focus bar when it has one (Python
 // reruns only the bar's fragment, so the views are not sent again), else through the view itself.
 // A click on the focused token clears it.
+// Drill down: the grid and the model view frame the head the page shows; a click on another head
+// (a map of the grid, a token of the model view, which it also focuses) tells Python (trigger
+// "head" = {layer, head, focus, seq}), which makes it the layer and head of the map and head view.
 // Python's data carries the focus it knows and the sequence number of the last click it handled:
 // an older answer never overwrites a newer click.
 
@@ -381,6 +384,7 @@ function drawModelView(root, d, focus) {
         g.fillRect(x0, y0 + focus * rowpx, 4, rowpx);
         g.fillRect(x0 + cw - 4, y0 + focus * rowpx, 4, rowpx);
       }
+      if (l === d.layer_shown && h === d.head_shown) frame(g, x0 - 3, y0 - 3, cw + 6, ch + 6);
     }
   }
   const at = (ev) => {
@@ -395,9 +399,10 @@ function drawModelView(root, d, focus) {
     showTip(root, ev, p && `layer ${p.l}, head ${p.h}\ntoken ${p.p}: ${tokens[p.p]}`);
   };
   c.onmouseleave = (ev) => showTip(root, ev, null);
-  c.onclick = (ev) => {
+  c.onclick = (ev) => {  // a token of the shown head: focus it; of another head: show that head too
     const p = at(ev);
-    if (p) click(root, p.p);
+    if (p && p.l === d.layer_shown && p.h === d.head_shown) click(root, p.p);
+    else if (p) drill(root, p.l, p.h, p.p);
   };
   root.pointOf = (pos, l = 0, h = 0) => {
     const r = c.getBoundingClientRect();
@@ -406,7 +411,7 @@ function drawModelView(root, d, focus) {
 }
 
 // ---- grid ------------------------------------------------------------------------------------
-function drawGrid(root, d) {
+function drawGrid(root, d, focus) {
   const { layers: L, heads: H, side_m: m, side_n: n, block: f, tokens } = d, g4 = d.grid;  // (L, H, m, n)
   const gap = 6, left = 58, top = 20, bar = 70;  // maps of cell_px, narrower when the page is
   const cell = Math.max(16, Math.min(d.cell_px, ((root.clientWidth || 1000) - left - bar) / H - gap));
@@ -428,7 +433,16 @@ function drawGrid(root, d) {
     for (let h = 0; h < H; h++) {
       paint(img.data, g4, (l * H + h) * m * n, m * n, zmax);
       og.putImageData(img, 0, 0);
-      g.drawImage(off, left + h * (cell + gap), top + l * (cell + gap), cell, cell);
+      const x0 = left + h * (cell + gap), y0 = top + l * (cell + gap);
+      g.drawImage(off, x0, y0, cell, cell);
+      if (focus !== null) {  // the focused token's row and column (its token block's, when averaged)
+        const b = Math.floor(focus / f);
+        g.strokeStyle = FOCUS;
+        g.lineWidth = 1.5;
+        g.strokeRect(x0, y0 + (b * cell) / m, cell, cell / m);
+        g.strokeRect(x0 + (b * cell) / n, y0, cell / n, cell);
+      }
+      if (l === d.layer_shown && h === d.head_shown) frame(g, x0 - 3, y0 - 3, cell + 6, cell + 6);
     }
   }
   const x0 = left + H * (cell + gap) + 8, span = L * (cell + gap) - gap;
@@ -454,6 +468,19 @@ function drawGrid(root, d) {
     showTip(root, ev, `layer ${l}, head ${h}\n${range(i, d.n, "query")}\n${range(j, d.n, "key")}\nweight ${v.toFixed(4)}`);
   };
   c.onmouseleave = (ev) => showTip(root, ev, null);
+  const tile = (ev) => {
+    const r = c.getBoundingClientRect();
+    const h = Math.floor((ev.clientX - r.left - left) / (cell + gap)), l = Math.floor((ev.clientY - r.top - top) / (cell + gap));
+    return h >= 0 && h < H && l >= 0 && l < L ? { l, h } : null;
+  };
+  c.onclick = (ev) => {  // a map of the grid: its layer and head become the page's
+    const t = tile(ev);
+    if (t && (t.l !== d.layer_shown || t.h !== d.head_shown)) drill(root, t.l, t.h);
+  };
+  root.pointOf = (l, h) => {
+    const r = c.getBoundingClientRect();
+    return [r.left + left + h * (cell + gap) + cell / 2, r.top + top + l * (cell + gap) + cell / 2];
+  };
 }
 
 // ---- focus bar -------------------------------------------------------------------------------
@@ -481,7 +508,7 @@ const DRAW = { grid: drawGrid, focus_bar: drawFocusBar, heatmap: drawHeatmap, he
 function draw(root) {
   const d = root.attnlab, focus = group(d.group).focus;
   const f = focus !== null && focus < d.n ? focus : null;
-  if (d.kind !== "token_mass" && d.kind !== "focus_bar") header(root, f === null || d.kind === "heatmap" || d.kind === "grid" ? d.title : `${d.title} (focus: ${f}: ${d.tokens[f]})`);
+  if (d.kind !== "token_mass" && d.kind !== "focus_bar") header(root, f === null || d.kind === "heatmap" ? d.title : `${d.title} (focus: ${f}: ${d.tokens[f]})`);
   DRAW[d.kind](root, d, f);
   root.dataset.focus = f === null ? "" : String(f);  // read by the browser tests
   root.dataset.title = d.kind === "focus_bar" ? root.textContent : root.querySelector(".av-title").textContent;
@@ -494,6 +521,25 @@ function click(root, position) {
   for (const r of gr.roots) if (r.isConnected) draw(r);
   const to = gr.bar && gr.bar.isConnected ? gr.bar : root;
   to.attnlabSend({ focus: gr.focus === null ? -1 : gr.focus, seq: gr.seq });
+}
+
+function frame(g, x, y, w, h) {  // the head the page shows, in the grid and the model view
+  g.strokeStyle = "#222";
+  g.lineWidth = 2;
+  g.strokeRect(x, y, w, h);
+}
+
+function drill(root, layer, head, position) {
+  // Drill down: a head of the grid or the model view becomes the layer and head of the page's map
+  // and head view (a full rerun: Python sends their data). A model-view click also focuses its
+  // token, drawn at once here and sent along.
+  const d = root.attnlab, gr = group(d.group);
+  if (position !== undefined) {
+    gr.focus = gr.focus === position ? null : position;
+    gr.seq += 1;
+    for (const r of gr.roots) if (r.isConnected) draw(r);
+  }
+  root.attnlabHead({ layer, head, focus: gr.focus === null ? -1 : gr.focus, seq: gr.seq });
 }
 
 export default function (component) {
@@ -509,6 +555,7 @@ export default function (component) {
     model_off: decode(data.model_off, Uint32Array) };
   root.attnlab = d;
   root.attnlabSend = (v) => setTriggerValue("focus", v);
+  root.attnlabHead = (v) => setTriggerValue("head", v);
   root.redraw = () => draw(root);
   root.dataset.kind = d.kind;
   const gr = group(d.group);

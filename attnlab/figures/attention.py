@@ -28,17 +28,23 @@ def label_step(n: int, plot_px: float, font_px: float) -> int:
     return max(1, math.ceil(n * (font_px + 2) / max(plot_px, 1.0)))
 
 
-def focus_shapes(focus: int | None, m: int, n: int, *, xref: str = "x", yref: str = "y") -> list[dict]:
+def focus_shapes(
+    focus: int | None, m: int, n: int, *, xref: str = "x", yref: str = "y", at: tuple[int, int] = (0, 0)
+) -> list[dict]:
     """Outlines of the focused token's row (what it sends, as a query) and column (what it receives,
-    as a key) on an (m, n) map drawn on category axes (cells at integer positions)."""
+    as a key) on an (m, n) map drawn on category axes (cells at integer positions; ``at`` = the
+    map's first row and column there, e.g. a tile of the grid)."""
     if focus is None:
         return []
     line = {"color": FOCUS_COLOR, "width": 2}
+    r, c = at
     out = []
     if 0 <= focus < m:
-        out.append({"type": "rect", "x0": -0.5, "x1": n - 0.5, "y0": focus - 0.5, "y1": focus + 0.5})
+        out.append({"type": "rect", "x0": c - 0.5, "x1": c + n - 0.5, "y0": r + focus - 0.5,
+                    "y1": r + focus + 0.5})
     if 0 <= focus < n:
-        out.append({"type": "rect", "x0": focus - 0.5, "x1": focus + 0.5, "y0": -0.5, "y1": m - 0.5})
+        out.append({"type": "rect", "x0": c + focus - 0.5, "x1": c + focus + 0.5, "y0": r - 0.5,
+                    "y1": r + m - 0.5})
     return [{**s, "xref": xref, "yref": yref, "line": line, "layer": "above"} for s in out]
 
 
@@ -50,6 +56,7 @@ def attention_grid(
     max_tokens: int = 128,
     zmax: float | None = None,
     cell_px: int = 80,
+    focus: int | None = None,
 ) -> go.Figure:
     """A layer x head grid of maps (rows = layers, columns = heads) drawn as ONE heatmap trace.
 
@@ -67,6 +74,8 @@ def attention_grid(
             keep the figure light; the title says so.
         zmax: top of the color scale (default: the largest weight shown).
         cell_px: pixel size of one map.
+        focus: a token position: its row and column (its token block's, when averaged) outlined in
+            every map, and named in the title.
 
     Returns:
         Figure with one heatmap trace: map (layer, head) sits at rows layer*(m+1) ... +m and columns
@@ -120,7 +129,16 @@ def attention_grid(
     ]
     if f > 1:
         title = f"{title} (means over {f}x{f} token blocks)"
+    focus = check_focus(focus, N)
+    shapes = []
+    if focus is not None:
+        block = focus // f  # its query block and key block
+        for layer in range(L):
+            for head in range(H):
+                shapes += focus_shapes(block, m, n, at=(layer * (m + 1), head * (n + 1)))
+        title = f"{title} (focus: {focus}: {tokens[focus]})" if tokens else f"{title} (focus: {focus})"
     fig.update_layout(
+        shapes=shapes,
         annotations=[{**a, "showarrow": False, "font": {"size": 10}} for a in titles],
         title=title,
         width=cell_px * H + 200,

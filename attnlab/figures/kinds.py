@@ -228,6 +228,7 @@ def build(
             title=f"{v}: attention by layer and head",
             max_tokens=p.get("max_tokens", 64),
             cell_px=72,
+            focus=p.get("focus"),
         )
         pooled, _ = block_mean(w, p.get("max_tokens", 64))
         return FigureBundle(fig, long_table(pooled, ["layer", "head"]), {v: w, "tokens": np.array(tokens)})
