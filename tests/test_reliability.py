@@ -140,7 +140,12 @@ APP_UPLOADS = {
     "binary upload": ("notes.txt", b"\x00\x01\x02" * 100, "looks binary"),
     "non-UTF-8 upload": ("notes.txt", "na\u00efve".encode("latin-1"), "not UTF-8"),
     "wrong file type upload": ("model.bin", b"text", "not a text file"),
-    "6 MB text upload (limit 5 MB)": ("big.txt", b"a" * 6_000_000, "the limit is 5 MB"),
+    "6 MB text upload (more bytes than 1,000,000 characters can have)": (
+        "big.txt",
+        b"a" * 6_000_000,
+        "more than a text of 1,000,000 characters",
+    ),
+    "1.2M-character text upload (1.2 MB)": ("long.txt", b"a" * 1_200_000, "takes up to 1,000,000"),
 }
 
 
@@ -155,17 +160,20 @@ def test_bad_text_uploads_are_refused_by_the_app(reliability, case):
 
 
 def test_app_upload_limits_are_configured(reliability):
-    from appkit.analysis import TEXT_UPLOAD_MB
+    from appkit.controls import MAX_TEXT_BYTES, MAX_TEXT_CHARS, _decode_upload
     from appkit.sources import UPLOAD_LIMIT_MB
 
     config = tomllib.loads((REPO / ".streamlit" / "config.toml").read_text())
     assert config["server"]["maxUploadSize"] == UPLOAD_LIMIT_MB == 200
-    assert TEXT_UPLOAD_MB == 5
+    assert MAX_TEXT_CHARS == 1_000_000 and MAX_TEXT_BYTES == 4 * MAX_TEXT_CHARS + 3
+    # the largest text the app takes passes, whatever its bytes (4-byte characters included)
+    assert len(_decode_upload("wide.txt", ("\U0001f600" * MAX_TEXT_CHARS).encode())) == MAX_TEXT_CHARS
     reliability(
         "100 MB upload in the app",
         "upload limits of the app",
-        f"text uploads: {TEXT_UPLOAD_MB} MB per widget (Streamlit refuses larger files before the app "
-        f"sees them); checkpoint uploads: server.maxUploadSize = {UPLOAD_LIMIT_MB} MB "
+        f"text uploads: up to {MAX_TEXT_CHARS:,} characters, checked by the app (the uploader takes what "
+        f"the server takes, and a file of more than {MAX_TEXT_BYTES:,} bytes is refused before decoding); "
+        f"checkpoint uploads: server.maxUploadSize = {UPLOAD_LIMIT_MB} MB "
         "(a MiniLM model.safetensors is ~90 MB)",
     )
 
