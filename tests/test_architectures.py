@@ -22,6 +22,7 @@ import pytest
 import torch
 from conftest import ARCHITECTURES, REPO, TINY_CONFIGS, _config, build_tiny_model
 
+import attnlab
 from attnlab import contributions, hf
 from attnlab.hf.capture import values
 
@@ -341,3 +342,53 @@ def test_a_tokenizer_class_other_than_the_saved_one_is_noted(tmp_path, minilm):
     noted = [n for n in result.notes if n.startswith("tokenizer:")]
     assert len(noted) == 1 and type(loaded.tokenizer).__name__ in noted[0] and "BertTokenizer" in noted[0]
     assert not [n for n in hf.analyze("The cat sat.", minilm, ["unas"]).notes if n.startswith("tokenizer:")]
+
+
+# ----------------------------------------------------------------------------------------------
+# Swap mode's attention functions: the keyword arguments transformers hands them
+# ----------------------------------------------------------------------------------------------
+
+
+class _CausalLayer(torch.nn.Module):
+    is_causal = True
+    num_key_value_groups = 2
+
+
+@pytest.mark.parametrize("variant", ["unas", "dnas", "hnas"])
+def test_swapped_variants_take_the_softcap_and_the_window(variant):
+    """softcap= and sliding_window= (no mask: transformers' causal fast path) reach the variant: its
+    weights are those of the capped scores with the window, causal."""
+    from transformers import AttentionInterface
+
+    hf.register_attention_functions()
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 4, 9, 8, generator=g) * 3, torch.randn(1, 2, 9, 8, generator=g) * 3
+    v = torch.randn(1, 2, 9, 8, generator=g)
+    swapped = AttentionInterface()[f"attnlab_{variant}"]
+    out, w = swapped(_CausalLayer(), q, k, v, None, scaling=0.5, softcap=2.0, sliding_window=3,
+                     output_attentions=True)
+    kk = k.repeat_interleave(2, dim=1)  # (1, 4, 9, 8)
+    scores = 2.0 * torch.tanh(q @ kk.transpose(-1, -2) * 0.5 / 2.0)
+    i, j = torch.arange(9)[:, None], torch.arange(9)[None, :]
+    ref = attnlab.attention_weights(scores, variant, mask=(j <= i) & (i - j < 3), causal=True)
+    torch.testing.assert_close(w, ref, rtol=0, atol=1e-6)
+    torch.testing.assert_close(out, (ref @ v.repeat_interleave(2, dim=1)).transpose(1, 2), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["s_aux", "sinks", "position_bias"])
+@pytest.mark.parametrize("impl", ["attnlab_unas", "attnlab_dnas", "attnlab_capture"])
+def test_terms_the_variants_do_not_model_are_refused_with_their_name(name, impl):
+    """Attention sinks and additive position biases handed to the attention function: a worded
+    UnsupportedModelError in swap and recompute mode, never a silently different attention."""
+    from transformers import AttentionInterface
+
+    from attnlab.hf.capture import interface
+
+    hf.register_attention_functions()
+    q, kv = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8)
+    token = interface._ACTIVE.set(interface._Run(settings=interface.VariantSettings(), capture=[]))
+    try:
+        with pytest.raises(hf.UnsupportedModelError, match=f"_CausalLayer passes {name}="):
+            AttentionInterface()[impl](_CausalLayer(), q, kv, kv, None, scaling=0.5, **{name: torch.zeros(4)})
+    finally:
+        interface._ACTIVE.reset(token)

@@ -7,6 +7,9 @@ with query (B, H, M, D), key/value (B, H_kv, N, D) and out (B, M, H, D)):
 - ``attnlab_<variant>`` for every variant in ``attnlab.VARIANTS`` (*swap* mode): the layer's attention
   is computed by :func:`attnlab.attend`. The weights are returned when ``output_attentions`` is
   requested (or while an analysis captures them), so ``model(..., output_attentions=True)`` works.
+  ``scaling``, ``sliding_window`` and ``softcap`` (Gemma 2: s -> softcap * tanh(s / softcap) before the
+  variant's normalizer) are honoured; attention sinks (``s_aux``, ``sinks``) and a ``position_bias``
+  are refused with an :class:`UnsupportedModelError` (here and in ``attnlab_capture``).
 - ``attnlab_capture`` (*recompute* mode): records each layer's q and k (after projection and rotary
   embedding, after repeating grouped kv heads) and delegates to transformers' own SDPA attention, so
   the forward pass is the model's own.
@@ -36,7 +39,15 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import sdpa_mask
 
 from attnlab.hf.capture.softcap import softcapped_attention
-from attnlab.normalizers import VARIANTS, attend, check_param, check_variant, parameter_names, variant_spec
+from attnlab.normalizers import (
+    VARIANTS,
+    attend,
+    attention_weights,
+    check_param,
+    check_variant,
+    parameter_names,
+    variant_spec,
+)
 from attnlab.normalizers.checks import check_head_shape
 
 __all__ = [
@@ -209,9 +220,54 @@ def _next_layer(run: _Run | None) -> int:
     return run.layer - 1
 
 
+# attention keyword arguments that add terms attnlab's variants do not model: refused, never ignored
+_UNMODELLED = {
+    "s_aux": "attention sinks (a per-head sink logit beside the keys)",
+    "sinks": "attention sinks (a sink logit beside the keys)",
+    "position_bias": "an additive position bias",
+}
+
+
+def _refuse_unmodelled(module: torch.nn.Module, kwargs: dict, what: str) -> None:
+    """UnsupportedModelError naming the module and the term when the call adds one attnlab does not model."""
+    for name, term in _UNMODELLED.items():
+        if kwargs.get(name) is not None:
+            raise UnsupportedModelError(
+                f"{type(module).__name__} passes {name}= ({term}) to its attention; {what} has no such "
+                "term, so it would silently compute another attention: not supported"
+            )
+
+
+def _window_mask(mask: torch.Tensor | None, causal: bool, window: int | None, M: int, N: int,
+                 device) -> torch.Tensor | None:
+    """The layer's mask with its sliding window: keys with i - j >= window masked (queries at the end of
+    the keys, Gemma 2's and Mistral's rule). transformers' mask already holds the window when it is
+    given; None (the causal fast path) gets it here when the window cuts into the span.
+    -> bool broadcastable to (B, H, M, N)."""
+    if mask is not None or not window or N <= window:
+        return mask
+    i = torch.arange(M, device=device)[:, None] + (N - M)  # (M, 1)
+    j = torch.arange(N, device=device)[None, :]  # (1, N)
+    if not causal:
+        raise UnsupportedModelError(f"a bidirectional sliding window ({window} keys) came without a mask; "
+                                    "attnlab cannot tell which keys it allows")
+    return (j <= i) & (i - j < window)  # (M, N)
+
+
+def _softcapped_weights(query, key, variant: str, softcap: float, mask, causal: bool, scale: float,
+                        params: dict) -> torch.Tensor:
+    """A variant's weights over capped scores: s = softcap * tanh(scale * q k^T / softcap), then the
+    variant's normalizer (as the model's eager attention caps before its softmax). query (B, H, M, D),
+    key (B, H, N, D) -> (B, H, M, N) in the query's dtype."""
+    scores = torch.matmul(query.float(), key.float().transpose(-1, -2)).mul_(scale)  # (B, H, M, N)
+    scores = scores.div_(softcap).tanh_().mul_(softcap)
+    return attention_weights(scores, variant, mask=mask, causal=causal, **params).to(query.dtype)
+
+
 def _variant_attention(variant: str):
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         # query (B, H, M, D); key, value (B, H_kv, N, D)
+        _refuse_unmodelled(module, kwargs, f"attnlab_{variant}")
         run = _ACTIVE.get()
         layer = _next_layer(run)
         settings = _settings_for(module, run, kwargs)
@@ -224,7 +280,8 @@ def _variant_attention(variant: str):
                 f"attnlab_{variant} runs full-sequence forwards only (got {M} queries for {N} keys, i.e. "
                 "cached decoding); call the model with use_cache=False"
             )
-        mask = to_bool_mask(attention_mask, N)
+        window = kwargs.get("sliding_window")
+        mask = _window_mask(to_bool_mask(attention_mask, N), causal, window, M, N, query.device)
         causal = causal and M == N and M > 1
         params = {name: _layer_value(value, layer, query.shape[1]) for name, value in settings.items()}
         params = {name: value.to(query.device) if isinstance(value, torch.Tensor) else value
@@ -232,12 +289,17 @@ def _variant_attention(variant: str):
         want = bool(kwargs.get("output_attentions")) or (run is not None and run.return_weights)
         p = dropout if module.training else 0.0
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-        kw = dict(mask=mask, causal=causal, scale=scale, **params)
-        if not (want or p > 0):
+        softcap = kwargs.get("softcap")
+        if softcap is not None:  # Gemma 2: s -> cap * tanh(s / cap) before the variant's normalizer
+            weights = _softcapped_weights(query, key, variant, float(softcap), mask, causal, scale, params)
+        elif not (want or p > 0):
+            kw = dict(mask=mask, causal=causal, scale=scale, **params)
             return attend(query, key, value, variant, **kw).transpose(1, 2).contiguous(), None
-        _, weights = attend(query, key, value, variant, return_weights=True, **kw)  # (B, H, M, N)
+        else:
+            kw = dict(mask=mask, causal=causal, scale=scale, **params)
+            _, weights = attend(query, key, value, variant, return_weights=True, **kw)  # (B, H, M, N)
         out = torch.matmul(F.dropout(weights, p=p, training=p > 0), value)  # (B, H, M, D)
-        return out.transpose(1, 2).contiguous(), weights  # (B, M, H, D)
+        return out.transpose(1, 2).contiguous(), weights if want else None  # (B, M, H, D)
 
     attention.__name__ = f"attnlab_{variant}_attention"
     attention.__doc__ = f"transformers attention function running attnlab's {variant!r} variant."
@@ -249,6 +311,7 @@ def _capture_attention(module, query, key, value, attention_mask, scaling=None, 
     run's ``layer_hook``, the output it gives)."""
     run = _ACTIVE.get()
     if run is not None and run.capture is not None:
+        _refuse_unmodelled(module, kwargs, "the recompute mode's captured q kᵀ")
         n_rep = getattr(module, "num_key_value_groups", 1)
         scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
         causal = _is_causal(module, kwargs)
