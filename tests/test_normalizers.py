@@ -171,6 +171,31 @@ def test_large_scores_stay_exact():
             assert (w.sum(-1) <= 1 + 1e-12).all()
 
 
+@pytest.mark.parametrize("spread", [0.3, 4.0, 40.0])
+def test_sparsemax_sorts_only_the_candidates(spread):
+    """sparsemax sorts only the keys within 1 of the row maximum (its support lies there): wide rows
+    (few candidates), ties at the maximum and at max - 1, masked keys, an empty row and a NaN row all
+    give the literal algorithm's weights, and its gradient the finite differences'."""
+    gen = torch.Generator().manual_seed(int(spread * 10))
+    M, N = 7, 33
+    s = torch.randn(1, 1, M, N, generator=gen, dtype=F64) * spread
+    s[..., 0, 3] = s[..., 0, 5] = s[..., 0, :].max() + 0.25  # a tie at the maximum
+    s[..., 1, 7] = s[..., 1, :].max() - 1.0  # a key exactly at max - 1
+    mask = torch.rand(1, 1, M, N, generator=gen) > 0.2
+    mask[..., 2, :] = False  # an empty row
+    got = attnlab.attention_weights(s, "sparsemax", mask=mask)
+    expect = ref_weights(s[0, 0], mask[0, 0], "sparsemax")
+    torch.testing.assert_close(got[0, 0], expect, atol=1e-12, rtol=1e-12)
+    bad = s.clone()
+    bad[..., 4, 9] = float("nan")
+    nan_rows = attnlab.attention_weights(bad, "sparsemax", mask=mask)[0, 0].isnan().any(-1)  # (masked: 0)
+    assert nan_rows.tolist() == [i == 4 and bool(mask[0, 0, 4, 9]) for i in range(M)]
+    x = s.clone()
+    x[..., 1, 7] -= 0.01  # off the kink (a key exactly at tau has no derivative)
+    x.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda t: attnlab.attention_weights(t, "sparsemax", mask=mask), (x,))
+
+
 def test_blocked_paths_match_materialized(monkeypatch):
     """Key-blocked column LSE (non-CPU fallback) and multi-block causal DNAS equal the reference."""
     monkeypatch.setattr(nz.lse, "KEY_BLOCK", 3)

@@ -173,8 +173,15 @@ def sparsemax(logits: torch.Tensor, ctx: NormalizerContext) -> torch.Tensor:
     if n == 0:
         return logits.clone()
     finite = logits.masked_fill(torch.isneginf(logits), torch.finfo(logits.dtype).min)
-    z, _ = torch.sort(finite, dim=-1, descending=True)  # (..., M, N)
-    ks = torch.arange(1, n + 1, device=logits.device, dtype=logits.dtype)
+    # tau_i >= max_j s_ij - 1 (the largest term alone would exceed 1 below it), so the support lies in
+    # {j : s_ij > max - 1}: only the K largest of each row are sorted, K = the most such keys of any row
+    top = finite.amax(-1, keepdim=True)
+    K = min(max(int((finite > top - 1).sum(-1).amax()) if finite.numel() else 1, 1), n)
+    if K < n:
+        z = torch.topk(finite, K, dim=-1).values  # (..., M, K), decreasing
+    else:
+        z, _ = torch.sort(finite, dim=-1, descending=True)  # (..., M, N)
+    ks = torch.arange(1, K + 1, device=logits.device, dtype=logits.dtype)
     cum = z.cumsum(-1)
     in_support = (1 + ks * z > cum) & (z > torch.finfo(logits.dtype).min)
     k = in_support.sum(-1, keepdim=True).clamp(min=1)  # (..., M, 1)

@@ -15,6 +15,7 @@ import torch
 
 from attnlab import contributions
 from attnlab.hf.capture.values import record_values, value_paths, window_summaries
+from attnlab.hf.compute import lazy_weights
 
 __all__ = ["check_flag", "recording", "value_norms", "contribution_mass", "layer_norms", "with_contributions"]
 
@@ -74,7 +75,8 @@ def value_norms(w) -> torch.Tensor:
 
 def contribution_mass(w) -> dict[str, torch.Tensor]:
     values = _values(w)
-    if any(getattr(wt, "streamed_window", False) for wt in w.weights.values()):  # c_j = m_j ||f(x_j)||
+    # c_j = m_j ||f(x_j)|| on a streamed window (no lazy variant computed to find out)
+    if any(getattr(wt, "streamed_window", False) for wt in lazy_weights.stored(w.weights)):
         return {v: m * values[v].norms.to(m.dtype) for v, m in w.column_masses().items()}
     return {v: contributions.contribution_mass(wt, values[v].norms) for v, wt in w.weights.items()}
 

@@ -131,11 +131,12 @@ class WindowResult:
 
     def _streamed_window(self):
         """The streamed window behind every variant's weights (attnlab/hf/compute/streamed.py), or None."""
-        found = {id(getattr(w, "window", None)) for w in self.weights.values()
+        held = list(lazy_weights.stored(self.weights))  # (computing no lazy variant)
+        found = {id(getattr(w, "window", None)) for w in held
                  if getattr(w, "streamed_window", False)}
         if len(found) != 1 or len(self.weights) == 0:
             return None
-        w = next(iter(self.weights.values()))
+        w = held[0]
         return w.window if getattr(w, "streamed_window", False) else None
 
     def sink_importance(self) -> dict[str, torch.Tensor]:

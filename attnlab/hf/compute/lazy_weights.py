@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-__all__ = ["LazyWeights", "batch_item", "fingerprint"]
+__all__ = ["LazyWeights", "batch_item", "fingerprint", "stored"]
 
 
 class _Pending:
@@ -168,6 +168,13 @@ class LazyWeights(dict):
             dict.clear(self)
             self._born.clear()
             self._edits += 1
+
+
+def stored(weights: dict):
+    """The values held now, computing nothing: a LazyWeights' variants not computed yet are placeholders
+    (for type checks such as "is any of them a streamed HeadMaps?"; ``weights.values()`` would compute
+    every variant)."""
+    return dict.values(weights)
 
 
 def batch_item(weights: dict, b: int) -> dict:

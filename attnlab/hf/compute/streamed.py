@@ -39,7 +39,7 @@ def key_masks(specials: Sequence[torch.Tensor] | None, device=None) -> torch.Ten
 def stream_sums(layers: Sequence[LayerInputs], variants: Sequence[str],
                 params: Mapping[str, Mapping[str, Any]], specials: Sequence[torch.Tensor] | None,
                 progress: Callable[[int], None] | None = None, out: dict | None = None,
-                done: Collection[int] = ()) -> dict:
+                done: Collection[int] = (), wanted: Collection[str] | None = None) -> dict:
     """Row sums of every variant over the window's L*H maps, streamed (module docstring).
 
     Args:
@@ -50,6 +50,8 @@ def stream_sums(layers: Sequence[LayerInputs], variants: Sequence[str],
         progress: called with the number of layers done after each layer.
         out, done: accumulators (``new_sums``) in which the causal kernel already wrote the sums of
             its variants for the layers ``done`` (attnlab/hf/compute/causal_forward.py).
+        wanted: the variants whose sums are streamed (None: all); the others are left as they are
+            (unas then streams only as the Jensen-Shannon reference; attnlab/hf/compute/mixed.py).
 
     Returns:
         {variant: row sums in the layout of :func:`attnlab.stats.engine.row_sums_dict` over L*H maps
@@ -75,16 +77,19 @@ def stream_sums(layers: Sequence[LayerInputs], variants: Sequence[str],
         parts[t.variant] = (where, part)
         _add(out[t.variant], t.maps, t.i0, t.i1, t.lo, t.hi, part)
 
+    wanted = set(variants) if wanted is None else set(wanted)
     slots = kernel_slots(variants, params, any(x.causal for x in layers))
+    slots = {v: slot for v, slot in slots.items() if v in wanted}
     kernel = causal_kernel() if slots else None
     if kernel is None and not done:
-        visit_tiles(layers, variants, params, visit, progress)
+        keep = [v for v in variants if v in wanted or v == ref]
+        visit_tiles(layers, keep, params, functools.partial(_only, wanted, visit), progress)
         return out
     rest = [v for v in variants if v not in slots]
     for layer, inputs in enumerate(layers):
         ok = layer in done or (kernel is not None and kernel_layer(kernel, inputs, layer, slots, params, spec,
                                                                    out, H))
-        todo = rest if ok else list(variants)
+        todo = [v for v in (rest if ok else variants) if v in wanted]
         if todo:  # the other variants (and a layer the kernel left) stream in PyTorch
             keep = [*todo] if ref is None or ref in todo else [ref, *todo]
             visit_tiles([inputs], keep, params, functools.partial(_only, set(todo), visit), first_layer=layer)

@@ -18,6 +18,7 @@ On a GPU the weights are computed there and copied to the CPU, with the row sums
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 
 from attnlab.hf.capture.interface import CapturedLayer, capture_qk, check_settings, use_variant
-from attnlab.hf.compute import causal_kernel, fused_sums, streamed, tiles
+from attnlab.hf.compute import causal_kernel, fused_sums, mixed, streamed, tiles
 from attnlab.hf.compute.fused_sums import ROW_SUMS  # noqa: F401  (re-exported)
 from attnlab.hf.compute.head_maps import HeadMaps
 from attnlab.hf.compute.layers import (  # noqa: F401  (re-exported)
@@ -36,7 +37,7 @@ from attnlab.hf.compute.layers import (  # noqa: F401  (re-exported)
     _variants_unmasked,
     fused_slot,
 )
-from attnlab.hf.compute.lazy_weights import LazyWeights
+from attnlab.hf.compute.lazy_weights import LazyWeights, stored
 from attnlab.hf.compute.pool import _POOL  # noqa: F401  (re-exported)
 from attnlab.hf.load.loading import LoadedModel, model_on
 from attnlab.normalizers import (
@@ -84,20 +85,28 @@ def check_arguments(variants, mode, params: Mapping[str, Any], info=None) -> tup
 _noted: set[str] = set()  # variants whose generic analysis path was noted (once each)
 
 
-def _fused_plan(variants, params: Mapping[str, Mapping[str, Any]]) -> dict[str, str] | None:
-    """variant -> its slot in attnlab.hf's fused analysis, when every variant has one (derived from
-    the specs, :func:`attnlab.hf.compute.layers.fused_slot`) and no two share one; None otherwise (the generic
-    materialized path for all), with a one-time note for each variant that has no slot."""
-    plan = {v: fused_slot(variant_spec(v), params[v]) for v in variants}
-    for v, slot in plan.items():
-        if slot is None and v not in _noted:
+def _fused_plan(variants, params: Mapping[str, Mapping[str, Any]], split: bool = False):
+    """variant -> its slot in attnlab.hf's fused analysis (derived from the specs,
+    :func:`attnlab.hf.compute.layers.fused_slot`), with a one-time note for each variant that has none.
+    Without ``split``: the plan when every variant has a slot and no two share one, else None (the
+    generic materialized path for all). With ``split``: (the plan of the variants that have a slot,
+    the first of any two sharing one; the other variants), for attnlab/hf/compute/mixed.py."""
+    plan: dict[str, str] = {}
+    for v in variants:
+        slot = fused_slot(variant_spec(v), params[v])
+        if slot is not None and slot not in plan.values():
+            plan[v] = slot
+    extras = tuple(v for v in variants if v not in plan)
+    for v in extras:
+        if v not in _noted:
             _noted.add(v)
             warnings.warn(f"attnlab.hf: variant {v!r} has no fused analysis path (its spec declares no "
                           "hf_kernel for these parameters, or the fused analysis does not implement its "
-                          "normalizer); the analysis takes the generic materialized path", stacklevel=5)
-    if None in plan.values() or len(set(plan.values())) != len(plan):
-        return None
-    return plan
+                          "normalizer); its weights come from its reference function (and a single "
+                          "window's statistics stream per head)", stacklevel=5)
+    if split:
+        return plan, extras
+    return None if extras else plan
 
 
 def _slot_params(plan: Mapping[str, str], params: Mapping[str, Mapping[str, Any]]) -> tuple[Any, int]:
@@ -171,40 +180,60 @@ def _recompute_with_sums(loaded, input_ids, attention_mask, variants, given, spe
     if streamed_window(captured, valid) and (specials is not None or lazy):  # bounded memory, per head
         return _streamed(captured, variants, params, specials, hook)
     masks = [_layer_mask(c, valid) for c in captured]
-    plan = None if causal or any(m is not None for m in masks) else _fused_plan(variants, params)
+    unmasked = not causal and all(m is None for m in masks)
+    if unmasked and (specials is not None or lazy) and first.shape[0] == 1 and first.device.type == "cpu":
+        plan, extras = _fused_plan(variants, params, split=True)
+        fused = functools.partial(_fused_lazily, captured, qk, scale, plan, params, specials, hook)
+        if not extras:  # every variant in a slot: its sums now, its weights on first access
+            return fused()
+        # the fused variants fused, the others streamed (attnlab/hf/compute/mixed.py)
+        materialize = functools.partial(_materialized, captured, qk, masks, False, params=params, given=given)
+        return mixed.split_window(variants, plan, lambda: layer_inputs(captured), params, specials, fused,
+                                  materialize)
+    plan = _fused_plan(variants, params) if unmasked else None
     if plan is not None:  # every variant from one score matrix per layer, in its slot
-        by_slot = {slot: v for v, slot in plan.items()}
         u, iters = _slot_params(plan, params)
         u_l = _u_per_layer(u, len(captured), first.shape[1], first.device)
-        slots = tuple(plan.values())
-        if (specials is not None or lazy) and first.shape[0] == 1 and first.device.type == "cpu":  # lazily
-            done = hook.sums() if hook is not None and hook.slots == slots else None  # from the forward
-            weights, sums = _lazy_with_sums(qk, scale, plan, u_l, iters, specials, done)
-            if sums is None:
-                return weights, None
-            if by_slot.get("unas", "unas") != "unas":  # the statistics' js reference is unas by name
-                sums = {v: {**raw, "js": None} for v, raw in sums.items()}
-            return weights, sums
-        weights = _variants_unmasked(*qk(), scale, slots, u_l, iters)
+        weights = _variants_unmasked(*qk(), scale, tuple(plan.values()), u_l, iters)
         return {v: weights[plan[v]] for v in variants}, None
+    return _materialized(captured, qk, masks, causal, variants, params, given), None
+
+
+def _materialized(captured, qk, masks, causal: bool, variants, params, given) -> dict[str, torch.Tensor]:
+    """{variant: (L, B, H, N, N)}: the generic materialized path, every registered variant's reference
+    function on the captured scores with the layers' masks (``masks[l]`` bool (B, 1, N, N) or None)."""
     q, k = qk()
-    B, N = valid.shape
+    B, N = q.shape[1], q.shape[3]
     everything = torch.ones(B, 1, N, N, dtype=torch.bool, device=q.device)  # a layer without a mask
     mask = torch.stack([everything if m is None else m for m in masks])  # (L, B, 1, N, N)
-    scale_l = torch.tensor(scale, dtype=q.dtype, device=q.device).reshape(-1, 1, 1, 1, 1)
+    scale_l = torch.tensor([c.scaling for c in captured], dtype=q.dtype, device=q.device)
+    scale_l = scale_l.reshape(-1, 1, 1, 1, 1)
     scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale_l)  # (L, B, H, N, N)
     for layer, c in enumerate(captured):
         if c.softcap is not None:  # Gemma 2: s -> cap * tanh(s / cap), before every variant's normalizer
             scores[layer].div_(c.softcap).tanh_().mul_(c.softcap)
     per_head = {name: _u_per_layer(value, len(captured), q.shape[2], q.device)
                 for name, value in given.items() if isinstance(value, torch.Tensor)}
-    weights = {  # (L, B, H, N, N) each: the generic materialized path, every registered variant
+    return {  # (L, B, H, N, N) each
         variant: attention_weights(scores, variant, mask=mask, causal=causal,
                                    **{**params[variant], **{k: t for k, t in per_head.items()
                                                             if k in params[variant]}})
         for variant in variants
     }
-    return weights, None
+
+
+def _fused_lazily(captured, qk, scale, plan, params, specials, hook) -> tuple[LazyWeights, dict | None]:
+    """The fused variants of one window (B = 1, CPU): their row sums (from the capture forward's hook when
+    it took them) and their weights on first access (:func:`_lazy_with_sums`)."""
+    first = captured[0].query  # (1, H, N, D)
+    u, iters = _slot_params(plan, params)
+    u_l = _u_per_layer(u, len(captured), first.shape[1], first.device)
+    taken = hook is not None and hook.slots == tuple(plan.values())  # the capture forward took the sums
+    done = hook.sums() if taken else None
+    weights, sums = _lazy_with_sums(qk, scale, plan, u_l, iters, specials, done)
+    if sums is not None and plan.get("unas", "unas") != "unas":  # the js reference is unas by name
+        sums = {v: {**raw, "js": None} for v, raw in sums.items()}
+    return weights, sums
 
 
 def streamed_window(captured, valid) -> bool:
@@ -327,7 +356,7 @@ def window_weights_and_sums(loaded: LoadedModel, input_ids, variants, mode, give
             weights, sums = _swap(loaded, ids, ones, variants, given), None
         else:
             weights, sums = _recompute_with_sums(loaded, ids, ones, variants, given, specials, lazy=True)
-        if any(isinstance(w, HeadMaps) for w in weights.values()):  # streamed: sums where the model ran
+        if any(isinstance(w, HeadMaps) for w in stored(weights)):  # streamed: sums where the model ran
             on_cpu = None if sums is None else {
                 v: {k: None if t is None else t.cpu() for k, t in raw.items()} for v, raw in sums.items()}
             return weights, on_cpu
@@ -379,8 +408,8 @@ def _layerwise(loaded: LoadedModel, input_ids, attention_mask, variants, given, 
     plan = None
     if specials is not None:
         params = {v: check_params(v, given, causal=False) for v in variants}
-        plan = _fused_plan(variants, params)
-    if plan is None:  # the attention outputs alone
+        plan = _fused_plan(variants, params, split=True)[0]  # the others stream after the forward
+    if not plan:  # the attention outputs alone
         return LayerwiseAnalysis(L, H, N, (), 0.5, 1, None, kernel, workers)
     u, iters = _slot_params(plan, params)
     return LayerwiseAnalysis(L, H, N, tuple(plan.values()), _u_per_layer(u, L, H), iters, specials, kernel,
