@@ -32,6 +32,7 @@ page = st.navigation(
             st.Page(PAGES / "embeddings.py", title="Embeddings", icon=":material/scatter_plot:"),
             st.Page(PAGES / "interventions.py", title="Interventions", icon=":material/swap_horiz:"),
             st.Page(PAGES / "corpus.py", title="Corpus", icon=":material/library_books:"),
+            st.Page(PAGES / "swap_cost.py", title="Swap cost", icon=":material/trending_up:"),
         ],
         "Train": [
             st.Page(PAGES / "train.py", title="Train", icon=":material/model_training:"),

@@ -1,4 +1,5 @@
-"""Corpus runs started from the app: ``attnlab corpus`` in a background process per run.
+"""Corpus jobs started from the app, in a background process per run: ``attnlab corpus`` (the Corpus
+page) and ``attnlab swap-eval`` (the Swap cost page), the two jobs over a corpus (:data:`KINDS`).
 
 The mechanism is the Train page's (appkit.runs.spawn: own session, exit status recorded, found again
 by scanning a directory; Stop = SIGTERM to the process group). A run lives in
@@ -7,7 +8,9 @@ by scanning a directory; Stop = SIGTERM to the process group). A run lives in
     app_corpus.json   what the form asked for (source, variants, window, ...)
     app_process.json  pid and command of the latest (re)start; exit_code; corpus.log
     source/           an uploaded .jsonl/.csv/.parquet file, or the .txt/.md files of an uploaded zip
-    result/           the run directory of ``attnlab corpus`` (rows/, summary, manifest, progress)
+    result/           the run directory of the job (rows/, tables, manifest, progress.json)
+
+A swap-eval run lives in ``runs_dir()/swap-eval/NAME`` the same way (its config also names the model).
 
 Stopping loses nothing: shards are written atomically and Resume reruns the same command, which
 skips the finished shards.
@@ -22,6 +25,7 @@ import signal
 import sys
 import time
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,8 +39,9 @@ ZIP_MEMBERS = (".txt", ".md")
 MAX_ZIP_BYTES = 1 << 30  # uncompressed size accepted from an uploaded zip
 
 
-def corpus_dir() -> Path:
-    return runs_dir() / "corpus"
+def corpus_dir(kind: str = "corpus") -> Path:
+    """Where runs of ``kind`` (a key of :data:`KINDS`) live."""
+    return runs_dir() / KINDS[kind].folder
 
 
 @dataclass
@@ -46,6 +51,7 @@ class CorpusRun:
     progress: dict  # progress.json of the job ({} before it starts)
     pid: int | None
     started: float = 0.0  # time.time() of the latest (re)start (app_process.json)
+    kind: str = "corpus"  # a key of KINDS
 
     @property
     def name(self) -> str:
@@ -64,19 +70,19 @@ class CorpusRun:
         return "\n".join(p.read_text(errors="replace").splitlines()[-lines:]) if p.is_file() else ""
 
 
-def inspect(run_dir: Path) -> CorpusRun:
+def inspect(run_dir: Path, kind: str = "corpus") -> CorpusRun:
     progress = _read_json(run_dir / "result" / "progress.json")
     process = _read_json(run_dir / PROCESS)
     pid = process.get("pid")
     if _alive(pid, run_dir):
         status = "running" if progress else "starting"
-    elif (run_dir / "result" / "summary.parquet").is_file() and progress.get("status") == "finished":
+    elif (run_dir / "result" / KINDS[kind].finished).is_file() and progress.get("status") == "finished":
         status = "finished"
     elif (run_dir / STOP).is_file():
         status = "stopped"
     else:
         status = "failed"
-    return CorpusRun(run_dir, status, progress, pid, float(process.get("started") or 0.0))
+    return CorpusRun(run_dir, status, progress, pid, float(process.get("started") or 0.0), kind)
 
 
 def progress_line(run: CorpusRun) -> tuple[float, str]:
@@ -98,10 +104,10 @@ def progress_line(run: CorpusRun) -> tuple[float, str]:
     return fraction, f"**{run.status}** — {of}, {p['tokens_per_s']:,.0f} tokens/s{eta}"
 
 
-def list_runs() -> list[CorpusRun]:
-    root = corpus_dir()
+def list_runs(kind: str = "corpus") -> list[CorpusRun]:
+    root = corpus_dir(kind)
     dirs = [p for p in root.glob("*") if (p / CONFIG).is_file()] if root.is_dir() else []
-    return [inspect(p) for p in sorted(dirs, key=lambda p: p.stat().st_mtime, reverse=True)]
+    return [inspect(p, kind) for p in sorted(dirs, key=lambda p: p.stat().st_mtime, reverse=True)]
 
 
 def _unzip(data: bytes, target: Path) -> None:
@@ -137,15 +143,49 @@ def command(run_dir: Path, config: dict, source: str) -> list[str]:
     return cmd
 
 
+def swap_command(run_dir: Path, config: dict, source: str) -> list[str]:
+    """``attnlab swap-eval`` for a run of the Swap cost page (docs/SWAP_EVAL.md)."""
+    cmd = [sys.executable, "-m", "attnlab.cli", "swap-eval", "--model", str(config["model"]),
+           "--corpus", source, "--out", str(run_dir / "result"), "--quiet",
+           "--text-column", config.get("text_column") or "text",
+           "--variants", ",".join(config.get("variants") or ("dnas", "sinkhorn", "softmax1")),
+           "--layers", config.get("layers") or "each"]
+    for key in ("window", "max_docs", "shard_docs", "mask_rate", "seed", "bootstrap"):
+        if config.get(key) not in (None, ""):
+            cmd += [f"--{key.replace('_', '-')}", str(config[key])]
+    for name, value in (config.get("params") or {}).items():
+        cmd += [f"--{name.replace('_', '-')}", str(value)]
+    return cmd
+
+
+@dataclass(frozen=True)
+class JobKind:
+    """A corpus job the app runs in the background."""
+
+    folder: str  # its runs' folder under runs_dir()
+    finished: str  # the file of result/ a finished run has
+    command: Callable[[Path, dict, str], list[str]]  # (run dir, config, source) -> the command line
+
+
+KINDS = {"corpus": JobKind("corpus", "summary.parquet", command),
+         "swap-eval": JobKind("swap-eval", "loss_delta.parquet", swap_command)}
+
+
 def start(name: str, config: dict, upload: tuple[str, bytes] | None = None,
-          path: str | None = None) -> CorpusRun:
-    """Create ``corpus/NAME`` and start ``attnlab corpus`` on the shipped corpus (neither ``upload``
-    nor ``path``), an upload (file name, bytes) or a server-side ``path``. ValueError for people."""
+          path: str | None = None, kind: str = "corpus") -> CorpusRun:
+    """Create ``corpus/NAME`` (``swap-eval/NAME``) and start ``attnlab corpus`` (``swap-eval``) on the
+    shipped corpus (neither ``upload`` nor ``path``), an upload (file name, bytes) or a server-side
+    ``path``. ValueError for people."""
     if not NAME.match(name):
         raise ValueError(f"run name {name!r}: use letters, digits, '-', '_' or '.', at most 64 characters")
-    run_dir = corpus_dir() / name
+    if kind == "swap-eval":
+        model = Path(str(config.get("model") or ""))
+        if not str(config.get("model") or "").strip() or not (model / "config.json").is_file():
+            raise ValueError(f"model {str(config.get('model') or '')!r}: a local model directory with a "
+                             "config.json and an LM head (causal or masked) was expected")
+    run_dir = corpus_dir(kind) / name
     if run_dir.exists():
-        raise ValueError(f"a corpus run named {name!r} already exists; pick another name")
+        raise ValueError(f"a {kind} run named {name!r} already exists; pick another name")
     if upload is not None:
         file_name = upload[0]
         if not file_name.lower().endswith(UPLOAD_SUFFIXES):
@@ -174,8 +214,8 @@ def start(name: str, config: dict, upload: tuple[str, bytes] | None = None,
         raise
     config = {**config, "source": source}
     (run_dir / CONFIG).write_text(json.dumps(config, indent=2))
-    spawn(run_dir, command(run_dir, config, source), log=LOG)
-    return inspect(run_dir)
+    spawn(run_dir, KINDS[kind].command(run_dir, config, source), log=LOG)
+    return inspect(run_dir, kind)
 
 
 def stop(run: CorpusRun) -> None:
@@ -195,9 +235,9 @@ def resume(run: CorpusRun) -> None:
     cmd = _read_json(run.dir / PROCESS).get("command")
     if not cmd:
         config = _read_json(run.dir / CONFIG)
-        cmd = command(run.dir, config, config["source"])
+        cmd = KINDS[run.kind].command(run.dir, config, config["source"])
     spawn(run.dir, cmd, log=LOG)
 
 
-__all__ = ["CorpusRun", "corpus_dir", "inspect", "list_runs", "progress_line", "start", "stop", "resume",
-           "command", "EXIT"]
+__all__ = ["CorpusRun", "JobKind", "KINDS", "corpus_dir", "inspect", "list_runs", "progress_line", "start",
+           "stop", "resume", "command", "swap_command", "EXIT"]
