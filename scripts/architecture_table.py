@@ -25,7 +25,9 @@ def architecture_table(archs) -> str:
         if a.refused:
             cells = (f"refused: {a.refused}", "—", "—", "—")
         else:
-            cells = ("yes", a.swap, f"yes ({a.values} projections)", a.masks)
+            analysis = "yes (scores at the module's softmax)" if a.scores else "yes"
+            swap = f"{a.swap} (softmax replaced)" if a.scores and a.swap == "yes" else a.swap
+            cells = (analysis, swap, f"yes ({a.values} projections)", a.masks)
         rows.append(f"| {a.name} | `{a.key}` | " + " | ".join(cells) + " |")
     return "\n".join((*HEADER, *rows))
 

@@ -128,10 +128,13 @@ TINY_CONFIGS.update({
     "gemma": ("GemmaConfig", dict(_GQA, head_dim=16)),
     "starcoder2": ("Starcoder2Config", dict(_GQA, sliding_window=8)),
     "granite": ("GraniteConfig", dict(_GQA)),
-    # refused (tests/test_architectures.py): attention outside the AttentionInterface, encoder-decoder,
-    # vision
+    # attention outside the AttentionInterface (score-level capture); refused: encoder-decoder, vision
     "mpnet": ("MPNetConfig", dict(**_W, max_position_embeddings=_P + 2, pad_token_id=1)),
-    "deberta-v2": ("DebertaV2Config", dict(**_W, max_position_embeddings=_P)),
+    # DeBERTa-v3's disentangled attention: relative positions in buckets, c2p and p2c terms
+    "deberta-v2": ("DebertaV2Config", dict(**_W, max_position_embeddings=_P, relative_attention=True,
+                                           pos_att_type=["p2c", "c2p"], position_biased_input=False,
+                                           position_buckets=16, max_relative_positions=-1,
+                                           norm_rel_ebd="layer_norm", share_att_key=True)),
     "gpt_neo": ("GPTNeoConfig", dict(hidden_size=64, num_layers=2, num_heads=4, max_position_embeddings=_P,
                                      attention_types=[[["global", "local"], 1]], window_size=8)),
     "bloom": ("BloomConfig", dict(hidden_size=64, n_layer=2, n_head=4)),
@@ -152,13 +155,14 @@ class Arch:
     key: str  # TINY_CONFIGS key and config.model_type
     name: str  # as the table shows it
     masks: str = "padding"  # what the attention masks beyond padding: "causal", "sliding window", ...
-    values: str = "named"  # contributions' value path: "named" (VALUE_PATHS), "traced" (value_trace)
+    values: str = "named"  # contributions' value path: "named" (VALUE_PATHS), "traced" (value_trace),
+    # "declared" (attnlab/hf/capture/score_adapters.py)
     swap: str = "yes"  # whether swap-mode UNAS reproduces the eager model, else what is missing
     family: str = ""  # hand-built contribution reference of tests/test_architectures.py ("" = none)
     refused: str = ""  # why attnlab refuses it, the words its error uses ("" = analysed)
+    scores: bool = False  # attention outside the AttentionInterface: captured at its softmax (scores.py)
 
 
-_OUTSIDE = "does not route its attention through transformers' AttentionInterface"
 ARCHITECTURES = (
     Arch("bert", "BERT", family="bert"),
     Arch("roberta", "RoBERTa"),
@@ -183,11 +187,15 @@ ARCHITECTURES = (
     Arch("gemma2", "Gemma 2 (GQA, softcap)", masks="causal, sliding window, softcap"),
     Arch("starcoder2", "Starcoder2 (GQA)", masks="causal, sliding window"),
     Arch("granite", "Granite (GQA)", masks="causal", family="llama"),
-    Arch("mpnet", "MPNet", refused=_OUTSIDE),
-    Arch("deberta-v2", "DeBERTa-v2", refused=_OUTSIDE),
-    Arch("gpt_neo", "GPT-Neo", refused=_OUTSIDE),
-    Arch("bloom", "BLOOM", refused=_OUTSIDE),
-    Arch("falcon", "Falcon", refused=_OUTSIDE),
+    # attention outside the AttentionInterface: scores captured at the module's softmax (score_adapters.py)
+    Arch("mpnet", "MPNet", masks="padding, relative position bias", values="declared", family="mpnet",
+         scores=True),
+    Arch("deberta-v2", "DeBERTa-v2", masks="padding, disentangled c2p/p2c", values="declared",
+         family="deberta-v2", scores=True),
+    Arch("gpt_neo", "GPT-Neo", masks="causal, local layers (window), unscaled", values="declared",
+         family="gpt_neo", scores=True),
+    Arch("bloom", "BLOOM", masks="causal, ALiBi", values="declared", family="bloom", scores=True),
+    Arch("falcon", "Falcon (multi-query)", masks="causal", values="declared", family="falcon", scores=True),
     Arch("t5", "T5", refused="encoder-decoder"),
     Arch("bart", "BART", refused="encoder-decoder"),
     Arch("vit", "ViT", refused="vision model"),

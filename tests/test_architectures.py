@@ -24,7 +24,8 @@ from conftest import ARCHITECTURES, REPO, TINY_CONFIGS, _config, build_tiny_mode
 
 import attnlab
 from attnlab import contributions, hf
-from attnlab.hf.capture import values
+from attnlab.hf.capture import score_adapters, scores, values
+from attnlab.hf.capture.score_adapters import adapter_for
 
 ANALYSED = [a for a in ARCHITECTURES if not a.refused]
 REFUSED = [a for a in ARCHITECTURES if a.refused]
@@ -60,14 +61,21 @@ def _batch(loaded) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _eager(model, **inputs):
-    """The model's own forward with ``attn_implementation="eager"`` (restored after)."""
+    """The model's own forward with ``attn_implementation="eager"`` (restored after; a model that cannot
+    switch it, Falcon, gets the config's field set)."""
     previous = model.config._attn_implementation
-    model.set_attn_implementation("eager")
+    if adapter_for(model) is None:
+        model.set_attn_implementation("eager")
+    else:
+        model.config._attn_implementation = "eager"
     try:
         with torch.no_grad():
             return model(**inputs, output_attentions=True, use_cache=False)
     finally:
-        model.set_attn_implementation(previous)
+        if adapter_for(model) is None:
+            model.set_attn_implementation(previous)
+        else:
+            model.config._attn_implementation = previous
 
 
 @pytest.mark.slow
@@ -110,7 +118,7 @@ def test_contributions_are_finite_and_found_by_the_declared_path(arch, arch_dir)
         assert bool(result.contribution_mass[v].isfinite().all())
         assert bool(w.layer_contribution_norms(v, 1).isfinite().all())
     traced = loaded.model in values._TRACED
-    assert ("traced" if traced else "named") == arch.values
+    assert ("declared" if adapter_for(loaded.model) else "traced" if traced else "named") == arch.values
     swap = hf.analyze(TEXT, loaded, ["unas"], mode="swap", contributions=True)
     assert bool(swap.windows[0].values["unas"].norms.isfinite().all())
     if arch.swap == "yes":  # swap-mode UNAS is the model's own forward: the same values
@@ -203,10 +211,47 @@ def _ref_phi3(model, layer, H, H_kv):  # qkv_proj: [q (H Dh) | k (H_kv Dh) | v (
     return att.qkv_proj, lambda x: _heads(_lin(att.qkv_proj, x)[:, start:], H_kv), att.o_proj.weight.t()
 
 
+def _ref_gpt_neo(model, layer, H, H_kv):
+    att = model.h[layer].attn.attention
+    return att.v_proj, lambda x: _heads(_lin(att.v_proj, x), H), att.out_proj.weight.t()
+
+
+def _ref_mpnet(model, layer, H, H_kv):
+    att = model.encoder.layer[layer].attention.attn
+    return att.v, lambda x: _heads(_lin(att.v, x), H), att.o.weight.t()
+
+
+def _ref_deberta(model, layer, H, H_kv):
+    att = model.encoder.layer[layer].attention
+    return att.self.value_proj, lambda x: _heads(_lin(att.self.value_proj, x), H), att.output.dense.weight.t()
+
+
+def _ref_bloom(model, layer, H, H_kv):  # query_key_value: per head (q, k, v)
+    att = model.h[layer].self_attention
+    qkv = att.query_key_value
+    return qkv, lambda x: _lin(qkv, x).reshape(x.shape[0], H, 3, -1)[:, :, 2], att.dense.weight.t()
+
+
+def _ref_falcon(model, layer, H, H_kv):  # query_key_value: [q heads | groups' k | groups' v] by layout
+    att = model.h[layer].self_attention
+    qkv = att.query_key_value
+
+    def v(x):
+        out = _lin(qkv, x)
+        if att.new_decoder_architecture:  # (groups, H / groups + 2, Dh): the group's value last
+            return out.reshape(x.shape[0], att.num_kv_heads, H // att.num_kv_heads + 2, -1)[:, :, -1]
+        if att.multi_query:  # (H + 2, Dh): one value head, last
+            return out.reshape(x.shape[0], H + 2, -1)[:, -1:]
+        return out.reshape(x.shape[0], H, 3, -1)[:, :, 2]
+
+    return qkv, v, att.dense.weight.t()
+
+
 REFERENCES = {
     "bert": _ref_bert, "distilbert": _ref_distilbert, "albert": _ref_albert, "modernbert": _ref_modernbert,
     "gpt2": _ref_gpt2, "gpt_neox": _ref_gpt_neox, "gptj": _ref_gptj, "opt": _ref_opt, "codegen": _ref_codegen,
-    "llama": _ref_llama, "phi": _ref_phi, "phi3": _ref_phi3,
+    "llama": _ref_llama, "phi": _ref_phi, "phi3": _ref_phi3, "gpt_neo": _ref_gpt_neo, "mpnet": _ref_mpnet,
+    "deberta-v2": _ref_deberta, "bloom": _ref_bloom, "falcon": _ref_falcon,
 }
 
 
@@ -235,7 +280,7 @@ def _check_against_reference(model, family: str, ids: torch.Tensor):
         with torch.no_grad():
             v = v_of(x)  # (N, H_kv, Dh)
             Dh = v.shape[-1]
-            per_head = [v[:, h // (H // H_kv)] @ w_out[h * Dh : (h + 1) * Dh] for h in range(H)]
+            per_head = [v[:, h // (H // v.shape[1])] @ w_out[h * Dh : (h + 1) * Dh] for h in range(H)]
             f = torch.stack(per_head)  # (H, N, D)
             pi = eager.attentions[layer][0]  # (H, N, N)
             literal = torch.einsum("hij,hjd->ijd", pi, f).norm(dim=-1)  # (N, N) ||sum_h pi^h_ij f_h(x_j)||
@@ -298,12 +343,15 @@ def test_refused_architectures_get_a_worded_error(arch, arch_dir):
     assert arch.key in message.lower() or re.sub(r"[-_]", "", arch.key) in message.lower().replace("-", "")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("key", [a.key for a in REFUSED if "AttentionInterface" in a.refused])
-def test_contributions_on_a_refused_in_memory_model_name_it(key):
-    model = _in_memory(key)
-    with pytest.raises(hf.UnsupportedModelError, match=type(model).__name__):
-        values.value_paths(model)
+def test_attention_outside_the_interface_without_an_adapter_is_refused_with_the_reason(monkeypatch, tmp_path):
+    """A family attnlab declares no score adapter for keeps the worded refusal, at load and for
+    contributions (MPNet with the table emptied)."""
+    directory = build_tiny_model("mpnet", tmp_path)  # a directory of its own: not in the load cache
+    monkeypatch.setattr(score_adapters, "ADAPTERS", ())
+    with pytest.raises(hf.ModelLoadError, match="MPNetModel does not route its attention through"):
+        hf.load_model(directory)
+    with pytest.raises(hf.UnsupportedModelError, match="MPNetModel"):
+        values.value_paths(_in_memory("mpnet"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -392,3 +440,73 @@ def test_terms_the_variants_do_not_model_are_refused_with_their_name(name, impl)
             AttentionInterface()[impl](_CausalLayer(), q, kv, kv, None, scaling=0.5, **{name: torch.zeros(4)})
     finally:
         interface._ACTIVE.reset(token)
+
+
+# ----------------------------------------------------------------------------------------------
+# Score-level capture (attnlab/hf/capture/scores.py): the literal scores, every variant, the layouts
+# ----------------------------------------------------------------------------------------------
+
+
+def _bloom_literal_scores(model, layer: int, x: torch.Tensor) -> torch.Tensor:
+    """BLOOM's layer scores by hand: q_i.k_j / sqrt(Dh) + m_h * j (ALiBi, slopes 2^(-8 (h + 1) / H) for
+    H a power of two), x (N, D) the layer's attention input -> (H, N, N), causal entries only."""
+    att = model.h[layer].self_attention
+    H, N = att.num_heads, x.shape[0]
+    qkv = _lin(att.query_key_value, x).reshape(N, H, 3, -1)  # (N, H, (q, k, v), Dh)
+    q, k = qkv[:, :, 0].transpose(0, 1), qkv[:, :, 1].transpose(0, 1)  # (H, N, Dh)
+    slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / H) for h in range(H)])
+    alibi = slopes[:, None, None] * torch.arange(N, dtype=torch.float32)[None, None, :]  # (H, 1, N)
+    return q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5 + alibi
+
+
+@pytest.mark.parametrize("variant", ["unas", "dnas", "hnas", "sinkhorn"])
+def test_bloom_scores_are_the_literal_alibi_scores_and_every_variant_normalizes_them(variant):
+    model = _in_memory("bloom")
+    ids = torch.randint(3, 100, (1, 9), generator=torch.Generator().manual_seed(2))
+    inputs = []
+    hook = model.h[0].self_attention.query_key_value.register_forward_pre_hook(
+        lambda _m, a: inputs.append(a[0][0].detach()))
+    try:
+        with torch.no_grad(), hf.capture_qk(model) as captured:
+            model(input_ids=ids, use_cache=False)
+        with torch.no_grad(), hf.use_variant(model, variant):
+            swapped = model(input_ids=ids, use_cache=False, output_attentions=True).attentions
+    finally:
+        hook.remove()
+    c = captured[0]
+    assert c.scores_of == "BLOOM" and c.causal and c.scaling == 1.0
+    literal = _bloom_literal_scores(model, 0, inputs[0])  # (H, N, N)
+    causal = torch.ones(9, 9, dtype=torch.bool).tril()
+    torch.testing.assert_close((c.query @ c.key.transpose(-1, -2))[0][:, causal], literal[:, causal],
+                               rtol=0, atol=1e-5)
+    assert torch.equal(c.mask.reshape(-1, 9, 9)[0], causal)
+    ref = attnlab.attention_weights(literal, variant, mask=causal, causal=True)  # (H, N, N)
+    torch.testing.assert_close(swapped[0][0], ref, rtol=0, atol=1e-5)  # swap mode: the variant in layer 0
+    assert torch.nn.functional.softmax is scores._SOFTMAX  # the patch is gone
+
+
+@pytest.mark.parametrize("fields", [dict(new_decoder_architecture=True, num_kv_heads=2),
+                                    dict(multi_query=False, alibi=True)],
+                         ids=["grouped", "alibi-per-head"])
+def test_falcon_layouts_equal_eager_and_the_hand_built_reference(fields):
+    """Falcon's grouped (new decoder architecture) and per-head q/k/v layouts, rotary or ALiBi: recompute
+    UNAS equals eager's weights, and contributions the hand-built reference."""
+    import transformers
+
+    config = _config("falcon", 100)
+    for name, value in fields.items():
+        setattr(config, name, value)
+    torch.manual_seed(0)
+    model = transformers.AutoModel.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, SCALE)
+    ids = torch.randint(3, 100, (1, N_TOKENS), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), hf.capture_qk(model) as captured:
+        model(input_ids=ids, use_cache=False)
+    eager = _eager(model, input_ids=ids)
+    for c, theirs in zip(captured, eager.attentions, strict=True):
+        mine = attnlab.attention_weights(c.query @ c.key.transpose(-1, -2) * c.scaling, "unas", mask=c.mask,
+                                         causal=c.causal)
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-5)
+    _check_against_reference(model, "falcon", ids)

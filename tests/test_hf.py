@@ -374,9 +374,15 @@ def test_remote_code_and_pickle_only_checkpoints_are_refused(tiny_model_dir, tmp
         hf.load_model(encdec)
 
 
-def test_unsupported_attention_module_is_refused(tmp_path):
+def test_unsupported_attention_module_is_refused(tmp_path, monkeypatch):
+    """Attention outside the AttentionInterface with no score adapter (attnlab/hf/capture/score_adapters.py;
+    DeBERTa-v2 with its adapter removed) is refused with the reason."""
     from transformers import AutoModel, AutoTokenizer, DebertaV2Config
 
+    from attnlab.hf.capture import score_adapters
+
+    monkeypatch.setattr(score_adapters, "ADAPTERS",
+                        tuple(a for a in score_adapters.ADAPTERS if a.family != "DeBERTa-v2"))
     torch.manual_seed(0)
     model = AutoModel.from_config(
         DebertaV2Config(

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from attnlab.hf.capture.interface import UnsupportedModelError
+from attnlab.hf.capture.score_adapters import adapter_for, attention_modules, output_projection
 from attnlab.hf.capture.value_trace import is_projection, trace_value_paths
 
 __all__ = ["VALUE_PATHS", "ValuePath", "value_paths", "record_values", "head_outputs"]
@@ -169,6 +170,23 @@ def _traced_paths(model, H: int, H_kv: int) -> list[ValuePath]:
     return paths
 
 
+def _adapter_paths(model, adapter, H: int) -> list[ValuePath]:
+    """The layers of a family declared in attnlab/hf/capture/score_adapters.py (attention outside the
+    AttentionInterface): its value projection's columns and its output projection, per module."""
+    modules = dict(model.named_modules())
+    paths = []
+    for name, module in attention_modules(model, adapter):
+        v, o = getattr(module, adapter.value, None), _linear_w(output_projection(modules, name, adapter))
+        if _linear_w(v) is None or o is None or o.shape[0] % H:
+            raise UnsupportedModelError(
+                f"{type(model).__name__} layer {name}: no value projection {adapter.value!r} or output "
+                f"projection {adapter.output!r} of {H} heads, as attnlab declares for {adapter.family}"
+            )
+        cols, H_kv = adapter.value_columns(module, H, o.shape[0] // H)
+        paths.append(_path(model, len(paths), name, v, cols, o, H, H_kv))
+    return paths
+
+
 def value_paths(model) -> list[ValuePath]:
     """One :class:`ValuePath` per self-attention layer, in layer order.
 
@@ -180,6 +198,9 @@ def value_paths(model) -> list[ValuePath]:
     projection unchanged, widths that do not fit, attention outside transformers' AttentionInterface).
     """
     H, H_kv = _heads(model)
+    adapter = adapter_for(model)
+    if adapter is not None:  # attention outside the AttentionInterface: the family's declared projections
+        return _adapter_paths(model, adapter, H)
     cfg = model.config
     n_layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", None)
     named = _named_paths(model, H, H_kv)
