@@ -1,4 +1,8 @@
-"""Benchmarks: ``attnlab bench attention | analysis | training | corpus`` (also ``python -m attnlab.bench``).
+"""Benchmarks: ``attnlab bench attention | analysis | training | corpus | swap-eval`` (also
+``python -m attnlab.bench``).
+
+swap-eval [--shape bert|gpt2] [--variants dnas]: a swap-eval over 100 documents of 512 tokens on a
+MiniLM-sized model against its plain forward (attnlab/swap_eval/benchmark.py).
 
 analysis --causal SHAPE: a causal model of the long-context shape (LLaMA GQA, LLaMA MHA, GPT-2) at
 512-8,192 tokens, the analysis against the plain forward, and peak RSS growth
@@ -230,8 +234,12 @@ def attention_markdown(res: dict) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("what", choices=["attention", "analysis", "training", "corpus"],
+    parser.add_argument("what", choices=["attention", "analysis", "training", "corpus", "swap-eval"],
                         help="which benchmark")
+    parser.add_argument("--shape", choices=["bert", "gpt2"], default="bert",
+                        help="swap-eval: a MiniLM-sized masked (bert) or causal (gpt2) LM")
+    parser.add_argument("--variants", default="dnas", help="swap-eval: comma-separated variants swapped in")
+    parser.add_argument("--docs", type=int, default=100, help="swap-eval: documents of 512 tokens")
     parser.add_argument("--memory-tokens", default="100000,1000000", help="corpus: tokens of the RSS runs")
     parser.add_argument("--memory-model", default="tiny",
                         help="corpus: RSS runs model: tiny (2-layer BERT, default), minilm or a directory")
@@ -274,6 +282,12 @@ def run(args: argparse.Namespace) -> int:
         tokens = () if args.no_memory else tuple(int(t) for t in args.memory_tokens.split(",") if t)
         res = benchmark_corpus(repeats=max(1, min(args.repeats, 2)), memory_tokens=tokens,
                                memory_model=None if args.memory_model == "minilm" else args.memory_model)
+        print(json.dumps(res, indent=2, default=str))
+    elif args.what == "swap-eval":
+        from attnlab.swap_eval.benchmark import benchmark_swap_eval
+
+        res = benchmark_swap_eval(args.shape, n_docs=args.docs, repeats=max(1, min(args.repeats, 3)),
+                                  variants=tuple(v.strip() for v in args.variants.split(",") if v.strip()))
         print(json.dumps(res, indent=2, default=str))
     else:
         from attnlab.train.config import load_recipe
