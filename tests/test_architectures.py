@@ -463,13 +463,15 @@ def _bloom_literal_scores(model, layer: int, x: torch.Tensor) -> torch.Tensor:
 def test_bloom_scores_are_the_literal_alibi_scores_and_every_variant_normalizes_them(variant):
     model = _in_memory("bloom")
     ids = torch.randint(3, 100, (1, 9), generator=torch.Generator().manual_seed(2))
+    u = torch.tensor([[0.1, 0.3, 0.6, 0.9], [0.5, 0.5, 0.5, 0.5]])  # (L, H): HNAS's u per layer and head
+    params = {"u": u} if variant == "hnas" else {}
     inputs = []
     hook = model.h[0].self_attention.query_key_value.register_forward_pre_hook(
         lambda _m, a: inputs.append(a[0][0].detach()))
     try:
         with torch.no_grad(), hf.capture_qk(model) as captured:
             model(input_ids=ids, use_cache=False)
-        with torch.no_grad(), hf.use_variant(model, variant):
+        with torch.no_grad(), hf.use_variant(model, variant, **params):
             swapped = model(input_ids=ids, use_cache=False, output_attentions=True).attentions
     finally:
         hook.remove()
@@ -480,7 +482,8 @@ def test_bloom_scores_are_the_literal_alibi_scores_and_every_variant_normalizes_
     torch.testing.assert_close((c.query @ c.key.transpose(-1, -2))[0][:, causal], literal[:, causal],
                                rtol=0, atol=1e-5)
     assert torch.equal(c.mask.reshape(-1, 9, 9)[0], causal)
-    ref = attnlab.attention_weights(literal, variant, mask=causal, causal=True)  # (H, N, N)
+    layer0 = {"u": u[0].reshape(-1, 1, 1)} if params else {}  # (H, 1, 1)
+    ref = attnlab.attention_weights(literal, variant, mask=causal, causal=True, **layer0)  # (H, N, N)
     torch.testing.assert_close(swapped[0][0], ref, rtol=0, atol=1e-5)  # swap mode: the variant in layer 0
     assert torch.nn.functional.softmax is scores._SOFTMAX  # the patch is gone
 
