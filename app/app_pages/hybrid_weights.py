@@ -9,6 +9,8 @@ from appkit.show import show_bundle
 from appkit.sources import CHECKPOINTS
 
 from attnlab.figures import app_views
+from attnlab.train.checkpoint import CheckpointError
+from attnlab.train.retrofit import is_retrofit_run, retrofit_hybrid_weights
 
 P = "hybrid"
 UPLOAD = "Upload a metrics.jsonl…"
@@ -16,11 +18,13 @@ UPLOAD = "Upload a metrics.jsonl…"
 st.title("Hybrid weights")
 st.caption(
     "HNAS mixes u·DNAS + (1−u)·UNAS per head, u = sigmoid(θ) learned from θ₀ = 0 (u₀ = 0.5). The "
-    "paper reports u above 0.5 in every layer, with more UNAS near the output."
+    "paper reports u above 0.5 in every layer, with more UNAS near the output. Runs of `attnlab train "
+    "--recipe retrofit-hnas --out runs/NAME` (HNAS learned on a frozen pretrained model) are listed too."
 )
 
 sources = {f"{p.name} (shipped)": p for p in sorted(CHECKPOINTS.glob("*")) if (p / "metrics.jsonl").is_file()}
 sources |= {f"{r.name} (run, {r.status})": r.dir for r in runs.list_runs()}
+sources |= {f"{r.name} (retrofit, {r.status})": r.dir for r in runs.list_retrofit_runs()}
 options = [*sources, UPLOAD]
 choice = st.selectbox(
     "Run or checkpoint",
@@ -43,15 +47,23 @@ if choice == UPLOAD:
     from attnlab.train import parse_metrics
 
     records = parse_metrics(upload.getvalue().decode("utf-8", errors="replace"))
-    run_dir, active = None, False
+    run_dir, active, retrofit = None, False, False
 else:
     run_dir = sources[choice]
-    active = runs.inspect(run_dir).active if (run_dir / runs.CONFIG).is_file() else False
+    retrofit = is_retrofit_run(run_dir)
+    active = runs.inspect(run_dir).active if (run_dir / runs.CONFIG).is_file() or retrofit else False
 
 
 def final_u(run_dir, records):
-    """(L, H) u of the latest checkpoint (attnlab.models.load), else of the last logged step."""
-    if run_dir is not None and (run_dir / "latest.json").is_file():
+    """(L, H) u of the latest checkpoint (attnlab.models.load; a retrofit's theta), else of the last
+    logged step."""
+    if retrofit and (run_dir / "latest.json").is_file():
+        try:
+            u, step = retrofit_hybrid_weights(run_dir)
+            return u.numpy(), f"checkpoint of step {step}"
+        except (OSError, ValueError, CheckpointError) as e:
+            st.warning(f"The checkpoint does not load ({e}); using the metrics log.")
+    elif run_dir is not None and (run_dir / "latest.json").is_file():
         from attnlab.models import load
 
         try:

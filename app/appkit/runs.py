@@ -35,6 +35,7 @@ PROCESS = "app_process.json"
 STOP = "app_stop.json"
 EXIT = "exit_code"
 LOG = "train.log"
+RECENT_S = 60.0  # a shell-started run whose metrics changed this recently is running
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _CHILDREN: dict[int, subprocess.Popen] = {}  # started by this server process: polled to reap them
 
@@ -107,7 +108,7 @@ def inspect(run_dir: Path) -> Run:
     records = read_metrics(run_dir / "metrics.jsonl")
     logged = records[-1]["step"] if records else 0
     pid = _read_json(run_dir / PROCESS).get("pid")
-    if _alive(pid, run_dir):
+    if _alive(pid, run_dir) or (pid is None and _writing(run_dir, logged, steps)):
         status = "running" if records else "starting"
     elif steps and step >= steps:
         status = "finished"
@@ -117,6 +118,25 @@ def inspect(run_dir: Path) -> Run:
         code = (run_dir / EXIT).read_text().strip() if (run_dir / EXIT).is_file() else ""
         status = "failed" if code not in ("", "0") or not (run_dir / "latest.json").is_file() else "stopped"
     return Run(run_dir, status, step, logged, steps, pid)
+
+
+def _writing(run_dir: Path, logged: int, steps: int) -> bool:
+    """A run started from a shell (no app process to ask) counts as running while it has not reached its
+    steps and its metrics.jsonl changed in the last RECENT_S seconds."""
+    try:
+        return logged < steps and time.time() - (run_dir / "metrics.jsonl").stat().st_mtime < RECENT_S
+    except OSError:
+        return False
+
+
+def list_retrofit_runs() -> list[Run]:
+    """Runs of ``attnlab train --recipe retrofit-hnas --out <runs dir>/NAME`` (their recipe.json's kind),
+    newest first: the Hybrid weights page shows their u."""
+    from attnlab.train.retrofit import is_retrofit_run
+
+    root = runs_dir()
+    dirs = [p for p in root.glob("*") if is_retrofit_run(p)] if root.is_dir() else []
+    return [inspect(p) for p in sorted(dirs, key=lambda p: p.stat().st_mtime, reverse=True)]
 
 
 def list_runs() -> list[Run]:

@@ -7,6 +7,8 @@
     attnlab train multiview --seeds 5                            # the synthetic multi-view task
     attnlab train results                                        # figures + numbers of docs/RESULTS.md
     attnlab train list                                           # shipped recipes
+    attnlab train --recipe retrofit-hnas --model DIR --out runs/r  # HNAS u on a pretrained model
+    attnlab train --recipe mlm-head --out runs/minilm-mlm         # MiniLM's masked-LM head (RUN/model)
 
 Python::
 
@@ -21,7 +23,15 @@ import json
 import sys
 
 from attnlab.train.checkpoint import CheckpointError
-from attnlab.train.config import DataConfig, RunConfig, TrainConfig, list_recipes, load_recipe
+from attnlab.train.config import (
+    DataConfig,
+    RunConfig,
+    TrainConfig,
+    list_recipes,
+    load_recipe,
+    recipe_file_kind,
+    recipe_path,
+)
 from attnlab.train.metrics import MetricsLog, column_mass_summary, parse_metrics, read_metrics
 from attnlab.train.trainer import TrainResult, learning_rate, train
 
@@ -52,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "multiview: the synthetic multi-view task; results: docs/RESULTS.md numbers and "
                              "figures; list: shipped recipes")
     src = parser.add_mutually_exclusive_group()
-    src.add_argument("--recipe", help=f"a shipped recipe name ({', '.join(list_recipes())})")
+    names = ", ".join(list_recipes() + list_recipes(pretrained=True))
+    src.add_argument("--recipe", help=f"a shipped recipe name ({names})")
     src.add_argument("--config", help="a run configuration JSON file (same format as a recipe)")
     parser.add_argument("--out", help="run directory (checkpoints, metrics.jsonl)")
     parser.add_argument("--steps", type=int, help="override train.steps")
@@ -66,6 +77,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when available)")
     parser.add_argument("--threads", type=int, help="override train.threads (torch CPU threads)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--lr", type=float, help="override train.lr (peak learning rate)")
+    # pretrained-model recipes (retrofit-hnas, mlm-head; docs/RETROFIT.md)
+    parser.add_argument("--model", help="retrofit-hnas / mlm-head: the pretrained model directory "
+                        "(base.model; default: the embedded MiniLM)")
+    parser.add_argument("--train-rest", action="store_true",
+                        help="retrofit-hnas: also train the model's own weights (base.train_rest)")
     # speed / multiview / results
     parser.add_argument("--variants", nargs="+", default=None, help="speed/multiview: variants to compare")
     parser.add_argument("--seeds", type=int, default=None, help="multiview/results: number of seeds")
@@ -79,13 +96,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _config_from_args(args) -> RunConfig:
-    if args.recipe:
-        config = load_recipe(args.recipe)
-    elif args.config:
-        config = RunConfig.from_file(args.config)
-    else:
-        raise ValueError("give --recipe NAME or --config FILE.json")
-    d = config.to_dict()
+    if args.model is not None or args.train_rest:
+        flag = "--model" if args.model is not None else "--train-rest"
+        raise ValueError(f"{flag} is for the pretrained-model recipes ({', '.join(list_recipes(True))}), "
+                         f"not for {args.recipe or args.config!r}")
+    config = RunConfig.from_file(_config_file(args))
+    return RunConfig.from_dict(_overridden(config.to_dict(), args))
+
+
+def _overridden(d: dict, args) -> dict:
+    """A run configuration's dict with the command line's overrides."""
     if args.steps is not None:
         d["train"]["steps"] = args.steps
     if args.seed is not None:
@@ -94,7 +114,36 @@ def _config_from_args(args) -> RunConfig:
         d["train"]["threads"] = args.threads
     if args.corpus is not None:
         d["data"]["corpus"] = args.corpus
-    return RunConfig.from_dict(d)
+    if args.lr is not None:
+        d["train"]["lr"] = args.lr
+        d["train"]["min_lr"] = min(d["train"]["min_lr"], args.lr)
+    return d
+
+
+def _config_file(args):
+    """The recipe or config file named by the arguments."""
+    if args.recipe:
+        return recipe_path(args.recipe)
+    if args.config:
+        return args.config
+    raise ValueError("give --recipe NAME or --config FILE.json")
+
+
+def _run_pretrained(args, path) -> int:
+    """retrofit-hnas / mlm-head: attnlab.train.retrofit."""
+    from attnlab.train.retrofit import train_hf
+    from attnlab.train.retrofit_config import HFRunConfig
+
+    d = _overridden(HFRunConfig.from_file(path).to_dict(), args)
+    if args.model is not None:
+        d["base"]["model"] = args.model
+    if args.train_rest:
+        d["base"]["train_rest"] = True
+    result = train_hf(HFRunConfig.from_dict(d), args.out, resume=args.resume, device=args.device,
+                      progress=not args.no_progress, stop_after=args.stop_after)
+    print(json.dumps({"run_dir": str(result.run_dir), "step": result.step, "loss": result.final_loss,
+                      "eval_loss": result.final_eval_loss, "u": result.hybrid_weights}))
+    return 0
 
 
 def _print_json(obj, path: str | None) -> None:
@@ -110,6 +159,10 @@ def run(args: argparse.Namespace) -> int:
         if args.action == "list":
             for name in list_recipes():
                 print(f"{name:14s} {load_recipe(name).description}")
+            from attnlab.train.retrofit_config import HFRunConfig
+
+            for name in list_recipes(pretrained=True):
+                print(f"{name:14s} {HFRunConfig.from_file(recipe_path(name)).description}")
             return 0
         if args.action == "speed":
             from attnlab.train.speed import format_table, training_speed
@@ -140,6 +193,9 @@ def run(args: argparse.Namespace) -> int:
             return 0
         if not args.out:
             raise ValueError("--out DIR is required to train")
+        path = _config_file(args)
+        if recipe_file_kind(path) is not None:
+            return _run_pretrained(args, path)
         result = train(_config_from_args(args), args.out, resume=args.resume, device=args.device,
                        progress=not args.no_progress, stop_after=args.stop_after)
         print(json.dumps({"run_dir": str(result.run_dir), "step": result.step, "loss": result.final_loss,

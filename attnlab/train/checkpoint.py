@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -35,7 +36,7 @@ from attnlab.checkpoint_io import (
 from attnlab.models import save
 from attnlab.schema import Field, SchemaError, check_fields, check_trainer_state, loads, read_json
 
-__all__ = ["save_checkpoint", "read_latest", "load_optimizer_state", "load_trainer_state",
+__all__ = ["save_checkpoint", "write_step", "read_latest", "load_optimizer_state", "load_trainer_state",
            "optimizer_tensors", "clean_temporary", "CheckpointError"]
 
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -144,6 +145,21 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, trainer_state: d
     On any failure (full disk, ...) the temporary directory is removed, latest.json is untouched and a
     ``CheckpointError`` names the step that is still the last good one.
     """
+
+    def write(tmp: Path) -> None:
+        tok_entry = tokenizer.save(tmp)
+        save(model, tmp, extra_config={**extra_config, "tokenizer": tok_entry, "step": step},
+             metadata={"step": step})
+
+    return write_step(run_dir, step, write, optimizer if with_optimizer else None, trainer_state, keep)
+
+
+def write_step(run_dir: Path, step: int, write: Callable[[Path], None], optimizer, trainer_state: dict,
+               keep: int) -> Path:
+    """The crash-safe step directory of any trainer: ``write(tmp)`` puts its weights into the temporary
+    directory, then the optimizer state (unless None) and ``trainer_state.json`` follow, every file is
+    fsynced, the directory renamed to ``step-N`` and latest.json moved to it; old steps pruned to
+    ``keep``. CheckpointError (naming the last good step) when any of it fails."""
     run_dir = Path(run_dir)
     final = run_dir / step_dir_name(step)
     tmp = run_dir / f"{TMP_PREFIX}{step:08d}-{os.getpid()}"
@@ -151,10 +167,8 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, trainer_state: d
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-        tok_entry = tokenizer.save(tmp)
-        save(model, tmp, extra_config={**extra_config, "tokenizer": tok_entry, "step": step},
-             metadata={"step": step})
-        if with_optimizer:
+        write(tmp)
+        if optimizer is not None:
             tensors, meta = optimizer_tensors(optimizer)
             atomic_write_bytes(tmp / OPTIMIZER_FILE,
                                st_save(tensors, metadata={"optimizer": json.dumps(meta), "step": str(step)}))

@@ -19,7 +19,8 @@ from pathlib import Path
 from attnlab.models import ModelConfig
 
 __all__ = ["DataConfig", "TrainConfig", "RunConfig", "RECIPES_DIR", "list_recipes", "load_recipe",
-           "RESUME_MUTABLE"]
+           "RESUME_MUTABLE", "recipe_path", "recipe_file_kind",
+           "section_differences"]
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 # train fields that may change on --resume (they do not change the trajectory of the weights)
@@ -154,26 +155,50 @@ class RunConfig:
 
     def differences(self, other: RunConfig) -> list[str]:
         """Fields that differ and would change the run (ignores RESUME_MUTABLE train fields)."""
-        a, b = self.to_dict(), other.to_dict()
-        out = []
-        for section in ("model", "data", "train"):
-            for key in sorted(set(a[section]) | set(b[section])):
-                if section == "train" and key in RESUME_MUTABLE:
-                    continue
-                if a[section].get(key) != b[section].get(key):
-                    out.append(f"{section}.{key}: {a[section].get(key)!r} != {b[section].get(key)!r}")
-        return out
+        return section_differences(self.to_dict(), other.to_dict(), ("model", "data", "train"))
 
 
-def list_recipes() -> list[str]:
-    return sorted(p.stem for p in RECIPES_DIR.glob("*.json"))
+def section_differences(a: dict, b: dict, sections: tuple[str, ...]) -> list[str]:
+    """``section.key: a != b`` for every field of ``sections`` where two configuration dicts differ, except
+    the train fields a resume may change (RESUME_MUTABLE)."""
+    out = []
+    for section in sections:
+        for key in sorted(set(a[section]) | set(b[section])):
+            if section == "train" and key in RESUME_MUTABLE:
+                continue
+            if a[section].get(key) != b[section].get(key):
+                out.append(f"{section}.{key}: {a[section].get(key)!r} != {b[section].get(key)!r}")
+    return out
+
+
+def recipe_file_kind(path: Path) -> str | None:
+    """The ``kind`` field of a recipe file (the pretrained-model recipes: 'retrofit-hnas', 'mlm-head'),
+    None for a small-model recipe or a file that is not a JSON object."""
+    try:
+        d = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return d.get("kind") if isinstance(d, dict) and isinstance(d.get("kind"), str) else None
+
+
+def list_recipes(pretrained: bool = False) -> list[str]:
+    """Shipped small-model recipes (RunConfig); with ``pretrained``, those that train on a pretrained
+    model instead (attnlab.train.retrofit_config.HFRunConfig: retrofit-hnas, mlm-head)."""
+    paths = RECIPES_DIR.glob("*.json")
+    return sorted(p.stem for p in paths if (recipe_file_kind(p) is not None) == pretrained)
+
+
+def recipe_path(name: str) -> Path:
+    """The file of a shipped recipe name, or ``name`` itself when it is a JSON file; else a ValueError
+    naming ``--recipe`` and the shipped recipes."""
+    path = RECIPES_DIR / f"{name}.json"
+    if path.is_file():
+        return path
+    if Path(name).is_file():
+        return Path(name)
+    raise ValueError(f"--recipe: unknown recipe {name!r}; available: {list_recipes() + list_recipes(True)}")
 
 
 def load_recipe(name: str) -> RunConfig:
-    """A shipped recipe by name (``attnlab/recipes/NAME.json``) or a path to a JSON file."""
-    path = RECIPES_DIR / f"{name}.json"
-    if not path.is_file():
-        if Path(name).is_file():
-            return RunConfig.from_file(name)
-        raise ValueError(f"unknown recipe {name!r}; available: {list_recipes()}")
-    return RunConfig.from_file(path)
+    """A shipped small-model recipe by name (``attnlab/recipes/NAME.json``) or a path to a JSON file."""
+    return RunConfig.from_file(recipe_path(name))

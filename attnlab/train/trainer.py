@@ -39,7 +39,8 @@ from attnlab.train.config import RunConfig
 from attnlab.train.metrics import METRICS_FILE, MetricsLog, column_mass_summary, evaluate, read_metrics
 from attnlab.train.runtime import StopRequest, setup_distributed
 
-__all__ = ["train", "TrainResult", "learning_rate", "column_mass_summary", "read_metrics", "MetricsLog"]
+__all__ = ["train", "TrainResult", "learning_rate", "prepare_run_dir", "column_mass_summary", "read_metrics",
+           "MetricsLog"]
 
 RECIPE_FILE = "recipe.json"
 
@@ -82,8 +83,10 @@ def _step_seed(seed: int, step: int, rank: int) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
-def _prepare_run_dir(run_dir: Path, config: RunConfig, resume: bool, is_main: bool) -> dict | None:
-    """Validate ``run_dir`` against ``resume``; returns latest.json (None = start at step 0)."""
+def prepare_run_dir(run_dir: Path, config, resume: bool, is_main: bool = True) -> dict | None:
+    """Validate ``run_dir`` against ``resume`` and ``config`` (a RunConfig, or any configuration with
+    ``from_file`` and ``differences``: attnlab.train.retrofit_config); returns latest.json (None = start
+    at step 0)."""
     recipe = run_dir / RECIPE_FILE
     latest = read_latest(run_dir) if run_dir.is_dir() else None
     if not resume:
@@ -94,7 +97,7 @@ def _prepare_run_dir(run_dir: Path, config: RunConfig, resume: bool, is_main: bo
         return None
     if not recipe.exists():
         raise ValueError(f"--resume: {run_dir} holds no run (no {RECIPE_FILE}); train without --resume first")
-    saved = RunConfig.from_file(recipe)
+    saved = type(config).from_file(recipe)
     diff = config.differences(saved)
     if diff:
         raise ValueError(f"--resume: {run_dir} was trained with a different config: " + "; ".join(diff))
@@ -137,7 +140,7 @@ def train(config: RunConfig, run_dir: str | os.PathLike, *, resume: bool = False
                              f"processes ({ddp.world})")
         if tc.threads:
             torch.set_num_threads(check_threads(tc.threads, "train.threads (--threads)"))
-        latest = _prepare_run_dir(run_dir, config, resume, ddp.main)
+        latest = prepare_run_dir(run_dir, config, resume, ddp.main)
         if ddp.world > 1:  # every rank has read the directory before rank 0 writes to it
             dist.barrier()
 

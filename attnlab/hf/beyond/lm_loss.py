@@ -59,6 +59,8 @@ __all__ = [
     "lm_inputs",
     "token_losses",
     "window_losses",
+    "swapped_layers",
+    "as_language_model",
     "language_model_loss",
 ]
 
@@ -271,6 +273,9 @@ def _swapped(model, blocks: list[torch.nn.Module], swap: Swap) -> Iterator[None]
             m.__dict__.pop(_STATE, None)
 
 
+swapped_layers = _swapped  # public: the HNAS retrofit (attnlab.hf.beyond.retrofit) trains through it
+
+
 def window_losses(
     loaded: LoadedModel,
     ids: Sequence[int],
@@ -381,6 +386,9 @@ def _language_model(model) -> LoadedModel:
             "load it with attnlab.hf.load_language_model(directory)"
         )
     return model
+
+
+as_language_model = _language_model  # public: the HNAS retrofit checks its model with it
 
 
 def language_model_loss(

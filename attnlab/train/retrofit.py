@@ -1,0 +1,185 @@
+"""``attnlab train --recipe retrofit-hnas --model DIR``: learn HNAS's u per layer and head on a frozen
+pretrained model (docs/RETROFIT.md), and the entry point of both pretrained-model recipes.
+
+    attnlab train --recipe retrofit-hnas --model models/gpt2 --out runs/retrofit-gpt2 [--steps N --lr X]
+    attnlab train --recipe retrofit-hnas --model runs/minilm-mlm/model --out runs/retrofit-minilm
+    attnlab train --recipe mlm-head --out runs/minilm-mlm          # MiniLM's masked-LM head first
+
+Python::
+
+    from attnlab.train.retrofit import load_retrofit, retrofit_hybrid_weights
+    retrofit_hybrid_weights("runs/retrofit-gpt2")       # (L, H) u of the latest checkpoint
+    model = load_retrofit("runs/retrofit-gpt2")         # HNASRetrofit: the base model with that theta
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from attnlab.train.checkpoint import CheckpointError, read_latest
+from attnlab.train.hf_trainer import HFTrainResult, read_step, train_objective
+from attnlab.train.retrofit_config import HFRunConfig
+
+__all__ = ["RetrofitObjective", "train_hf", "load_retrofit", "retrofit_hybrid_weights", "is_retrofit_run",
+           "u_by_layer"]
+
+
+class RetrofitObjective:
+    """theta (and, with ``base.train_rest``, the model's own weights) of an HNASRetrofit."""
+
+    def __init__(self, loaded, config: HFRunConfig, device: torch.device):
+        from attnlab.hf.beyond.retrofit import HNASRetrofit
+
+        self.module = HNASRetrofit(loaded, u0=config.base.u0, train_rest=config.base.train_rest).to(device)
+        self.info = loaded.info
+
+    def param_groups(self, config: HFRunConfig) -> list[dict]:
+        groups = [{"params": [self.module.theta], "weight_decay": 0.0, "lr_scale": 1.0}]
+        rest = list(self.module.rest_parameters().values())
+        if rest:
+            scale = config.base.rest_lr / config.train.lr
+            groups.append({"params": rest, "weight_decay": config.train.weight_decay, "lr_scale": scale})
+        return groups
+
+    def loss(self, input_ids, labels):
+        return self.module(input_ids, labels)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {"theta": self.module.theta}  # (L, H)
+        out |= {f"rest.{n}": p for n, p in self.module.rest_parameters().items()}
+        return out
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        want = set(self.tensors())
+        if set(tensors) != want or tensors["theta"].shape != self.module.theta.shape:
+            raise CheckpointError(
+                "the checkpoint's tensors do not fit this retrofit (expected theta of shape "
+                f"{tuple(self.module.theta.shape)} and {len(want) - 1} rest tensors, got {len(tensors)} "
+                "tensors)")
+        with torch.no_grad():
+            self.module.theta.copy_(tensors["theta"])
+            for name, p in self.module.rest_parameters().items():
+                p.copy_(tensors[f"rest.{name}"])
+
+    def hybrid_weights(self) -> list:
+        return self.module.hybrid_weights().tolist()
+
+    def export(self, run_dir: Path) -> None:  # the checkpoint (theta + the base reference) is the product
+        pass
+
+
+def _model_dir(config: HFRunConfig) -> str | None:
+    return None if config.base.model is None else str(Path(config.base.model).expanduser().resolve())
+
+
+def train_hf(config: HFRunConfig, run_dir, *, resume: bool = False, device: str | None = None,
+             progress: bool = True, text: str | None = None, stop_after: int | None = None) -> HFTrainResult:
+    """Train a ``retrofit-hnas`` or ``mlm-head`` configuration into ``run_dir``; ``base.model`` is the
+    model directory (None: the embedded MiniLM). ValueError naming ``--model`` when the model has no LM
+    head (retrofit) or is not a masked LM (mlm-head)."""
+    from attnlab.hf.load.loading import load_language_model, load_model
+    from attnlab.hf.load.model_info import resolve_device
+
+    dev = resolve_device(device or "cpu")
+    model_dir = _model_dir(config)
+    if model_dir is not None and not Path(model_dir).is_dir():
+        raise ValueError(f"--model (base.model) must be a model directory, got {config.base.model!r}, "
+                         "which does not exist")
+    if config.kind == "mlm-head":
+        from attnlab.train.mlm_head import MLMHeadObjective
+
+        base = load_model(model_dir, device=dev)
+        objective = MLMHeadObjective(base, dev)
+    else:
+        try:
+            loaded = load_language_model(model_dir, device=dev)
+        except ValueError as e:
+            raise ValueError(f"--model {config.base.model or '(embedded MiniLM)'}: {e}; an encoder without "
+                             "its masked-LM head can get one: attnlab train --recipe mlm-head --model DIR "
+                             "--out RUN, then --model RUN/model") from None
+        objective = RetrofitObjective(loaded, config, dev)
+        base = loaded
+    return train_objective(config, objective, base.tokenizer, run_dir, resume=resume, device=str(dev),
+                           progress=progress, text=text, stop_after=stop_after)
+
+
+def is_retrofit_run(run_dir: str | os.PathLike) -> bool:
+    """True for a run directory of ``attnlab train --recipe retrofit-hnas`` (its recipe.json's kind)."""
+    from attnlab.train.config import recipe_file_kind
+
+    return recipe_file_kind(Path(run_dir) / "recipe.json") == "retrofit-hnas"
+
+
+def retrofit_hybrid_weights(run_dir: str | os.PathLike) -> tuple[torch.Tensor, int]:
+    """((L, H) u = sigmoid(theta), step) of a retrofit run's latest checkpoint (no model is loaded)."""
+    latest = read_latest(Path(run_dir))
+    if latest is None:
+        raise CheckpointError(f"{run_dir} has no checkpoint yet (no latest.json)")
+    meta, tensors = read_step(Path(run_dir) / latest["dir"])
+    if meta.get("kind") != "retrofit-hnas" or "theta" not in tensors:
+        raise CheckpointError(f"{run_dir} is not a retrofit-hnas run (kind {meta.get('kind')!r})")
+    return torch.sigmoid(tensors["theta"].double()), int(meta.get("step", latest["step"]))
+
+
+def load_retrofit(run_dir: str | os.PathLike, device="cpu"):
+    """The HNASRetrofit of a run's latest checkpoint: its base model (loaded with its LM head from the
+    directory the checkpoint names) with the trained theta (and the trained rest, if any)."""
+    from attnlab.hf.load.loading import load_language_model
+
+    latest = read_latest(Path(run_dir))
+    if latest is None:
+        raise CheckpointError(f"{run_dir} has no checkpoint yet (no latest.json)")
+    meta, tensors = read_step(Path(run_dir) / latest["dir"])
+    config = HFRunConfig.from_file(Path(run_dir) / "recipe.json")
+    base = None if meta.get("base_embedded") else meta.get("base_model")
+    objective = RetrofitObjective(load_language_model(base, device=device), config, torch.device(device))
+    objective.load_tensors(tensors)
+    return objective.module
+
+
+def u_by_layer(run_dirs) -> list[dict]:
+    """Per layer, over runs (seeds) of the same model: u averaged over heads in each run (the paper's
+    Fig. 4 quantity), their mean and a 95 % t-interval over runs (None with one run).
+
+    -> [{"layer", "mean", "ci_low", "ci_high", "runs": [u of each run], "step": [step of each run]}]
+    """
+    from scipy import stats
+
+    per_run = [retrofit_hybrid_weights(d) for d in run_dirs]  # [((L, H), step)]
+    if not per_run:
+        raise ValueError("run_dirs must name at least one retrofit run, got none")
+    shapes = {tuple(u.shape) for u, _ in per_run}
+    if len(shapes) != 1:
+        raise ValueError(f"run_dirs must be runs of one model (one (L, H) shape), got shapes "
+                         f"{sorted(shapes)}")
+    layer_u = torch.stack([u.mean(-1) for u, _ in per_run])  # (R, L)
+    R = layer_u.shape[0]
+    mean = layer_u.mean(0)
+    half = (stats.t.ppf(0.975, R - 1) * layer_u.std(0, unbiased=True) / R**0.5) if R > 1 else None
+    return [{"layer": la, "mean": float(mean[la]),
+             "ci_low": None if half is None else float(mean[la] - half[la]),
+             "ci_high": None if half is None else float(mean[la] + half[la]),
+             "runs": layer_u[:, la].tolist(), "step": [s for _, s in per_run]}
+            for la in range(layer_u.shape[1])]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m attnlab.train.retrofit RUN [RUN ...]``: u per layer over the runs (JSON lines)."""
+    import json
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        for row in u_by_layer(args):
+            print(json.dumps(row))
+    except (ValueError, OSError, CheckpointError) as e:
+        print(f"attnlab.train.retrofit: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,114 @@
+"""Configuration of the recipes that train on a pretrained Hugging Face model: ``retrofit-hnas`` (learn
+HNAS's u per layer and head, the model frozen) and ``mlm-head`` (learn a masked-LM head, the encoder
+frozen). A recipe file (``attnlab/recipes/retrofit-hnas.json``) and ``--config FILE.json`` share one
+format::
+
+    {"name": "retrofit-hnas", "kind": "retrofit-hnas", "description": "...",
+     "base":  {BaseConfig fields: the model directory, u0, train_rest, rest_lr},
+     "data":  {HFDataConfig fields: corpus, max_chars, seq_len, mask_rate},
+     "train": {attnlab.train.config.TrainConfig fields}}
+
+Every field is validated with a ValueError naming it, what was expected and what was seen.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from attnlab.train.config import TrainConfig, _check, _from_dict, _is_int, section_differences
+
+__all__ = ["HF_KINDS", "BaseConfig", "HFDataConfig", "HFRunConfig"]
+
+HF_KINDS = ("retrofit-hnas", "mlm-head")  # recipe kinds that train on a pretrained model
+
+
+@dataclass
+class BaseConfig:
+    model: str | None = None  # a save_pretrained directory (None: the embedded MiniLM); --model DIR
+    u0: float = 0.5  # retrofit: initial u of every head (theta_0 = logit(u0); 0.5 -> theta_0 = 0)
+    train_rest: bool = False  # retrofit: also train the model's own weights (--train-rest)
+    rest_lr: float = 1e-5  # retrofit with train_rest: peak learning rate of the model's own weights
+
+    def __post_init__(self):
+        s = "base"
+        _check(s, self, "model", self.model is None or (isinstance(self.model, str) and self.model != ""),
+               "null (the embedded MiniLM) or a model directory")
+        _check(s, self, "u0", isinstance(self.u0, (int, float)) and not isinstance(self.u0, bool)
+               and 0.0 < self.u0 < 1.0, "a number in (0, 1)")
+        _check(s, self, "train_rest", isinstance(self.train_rest, bool), "true or false")
+        _check(s, self, "rest_lr", isinstance(self.rest_lr, (int, float)) and 0.0 < self.rest_lr <= 1.0,
+               "in (0, 1]")
+
+
+@dataclass
+class HFDataConfig:
+    corpus: str = "kjv"  # "kjv", "shakespeare", "kjv+shakespeare" or a text file (as attnlab train)
+    max_chars: int | None = None  # use only the first max_chars characters of the corpus
+    seq_len: int = 128  # tokens per window, the tokenizer's special tokens included
+    mask_rate: float = 0.15  # masked LMs: share of the window's tokens scored (BERT's rule)
+
+    def __post_init__(self):
+        s = "data"
+        _check(s, self, "corpus", isinstance(self.corpus, str) and self.corpus != "",
+               "a corpus name ('kjv', 'shakespeare', 'kjv+shakespeare') or a file path")
+        _check(s, self, "max_chars",
+               self.max_chars is None or (_is_int(self.max_chars) and self.max_chars >= 16),
+               "None or an integer >= 16")
+        _check(s, self, "seq_len", _is_int(self.seq_len) and 4 <= self.seq_len <= 65536,
+               "an integer in [4, 65536]")
+        _check(s, self, "mask_rate", isinstance(self.mask_rate, (int, float)) and 0.0 < self.mask_rate < 1.0,
+               "in (0, 1)")
+
+
+@dataclass
+class HFRunConfig:
+    name: str = "retrofit-hnas"
+    kind: str = "retrofit-hnas"  # one of HF_KINDS
+    description: str = ""
+    base: BaseConfig = field(default_factory=BaseConfig)
+    data: HFDataConfig = field(default_factory=HFDataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self):
+        if self.kind not in HF_KINDS:
+            raise ValueError(f"kind must be one of {list(HF_KINDS)}, got {self.kind!r}")
+        if isinstance(self.base, dict):
+            self.base = _from_dict(BaseConfig, self.base, "base")
+        if isinstance(self.data, dict):
+            self.data = _from_dict(HFDataConfig, self.data, "data")
+        if isinstance(self.train, dict):
+            self.train = _from_dict(TrainConfig, self.train, "train")
+        if self.kind == "mlm-head" and self.base.train_rest:
+            raise ValueError("base.train_rest must be false for kind 'mlm-head' (the encoder stays frozen), "
+                             "got true")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["train"]["betas"] = list(d["train"]["betas"])
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> HFRunConfig:
+        return _from_dict(cls, d, "config")
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> HFRunConfig:
+        return cls.from_dict(_read(Path(path)))
+
+    def differences(self, other: HFRunConfig) -> list[str]:
+        """Fields that differ and would change the run (ignores RESUME_MUTABLE train fields)."""
+        a, b = self.to_dict(), other.to_dict()
+        out = [f"kind: {a['kind']!r} != {b['kind']!r}"] if a["kind"] != b["kind"] else []
+        return out + section_differences(a, b, ("base", "data", "train"))
+
+
+def _read(path: Path) -> dict:
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"config file {str(path)!r} is not valid JSON: {e}") from None
+
