@@ -22,6 +22,11 @@ Settings (HNAS ``u``, Sinkhorn ``iters``) come from, in order: keyword arguments
 ``attnlab_iters`` of the forward call (transformers hands extra kwargs to the attention function),
 the module attributes of the same names, the innermost :func:`use_variant` context, the defaults
 (u = 0.5, iters = 3). ``u`` may be a tensor broadcastable to (L, H): one value per layer and head.
+
+A model whose attention bypasses the interface but whose family has a score adapter
+(attnlab/hf/capture/score_adapters.py: MPNet, DeBERTa-v2, GPT-Neo, BLOOM, Falcon) runs both context
+managers at its modules' softmax instead (attnlab/hf/capture/scores.py): the same records and the same
+settings; ``capture_qk``'s ``layer_hook`` is not called for it. Any other such model is refused.
 """
 
 from __future__ import annotations
