@@ -7,6 +7,7 @@ from appkit import beyond
 from appkit.controls import inputs, window_view
 from appkit.gam import NOTE as GAM_NOTE
 from appkit.gam import gam_maps, is_gam
+from appkit.neuron import neuron_section
 from appkit.pick import layer_head, variant
 from appkit.token_views import focus_bar, token_view
 
@@ -45,6 +46,9 @@ elif N <= HEAD_VIEW_MAX_TOKENS:  # the map over the whole width (every token lab
 else:  # a long window: the map gets the whole width
     st.caption(f"The head view draws up to {HEAD_VIEW_MAX_TOKENS} tokens; this window has {N}.")
     token_view(P, "heatmap", view, chosen, layer, head, text=text)
+
+st.subheader("Neuron view: what makes one weight")
+neuron_section(P, view, chosen, layer, head, text)
 
 st.subheader("Attention each token receives")
 whole_layer = st.toggle("Mean over the layer's heads", value=True, key=f"{P}_mass_all_heads")

@@ -22,8 +22,10 @@ import streamlit as st
 from appkit import state
 from appkit.analysis import WindowView
 from appkit.export import export_menu
+from appkit.neuron import note_focus_click, wants_page_rerun
 from appkit.show import FOCUS, bundle, current_focus, focus, manifest
 from attnlab.figures._data import block_mean
+from attnlab.figures.head_overlay import head_color
 from attnlab.figures.head_view import MODEL_VIEW_MAX_TOKENS
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
@@ -34,11 +36,15 @@ STRIP_EXACT_MAX_TOKENS = 128  # beyond, the strip's rows travel as 16-bit fracti
 HEAD_VIEW_MIN_WEIGHT = 0.02  # lines below this weight are not drawn (as attnlab.figures.head_view)
 MODEL_VIEW_MIN_WEIGHT = 0.05  # (as attnlab.figures.model_view)
 SEQ = "token_views_seq"  # shared state: the sequence number of the last click handled
+OVERLAY = "overlay"  # shared state and URL: the heads the head view shows besides the map's head
+OVERLAY_SEQ = "overlay_seq"  # shared state: the sequence number of the last chip click handled
 
 
 @functools.cache
 def _sources() -> tuple[str, str]:
-    return (ASSETS / "token_views.js").read_text(), (ASSETS / "token_views.css").read_text()
+    """The component's module (token_views.js, then line_views.js: one module, shared helpers) and CSS."""
+    js = (ASSETS / "token_views.js").read_text() + "\n" + (ASSETS / "line_views.js").read_text()
+    return js, (ASSETS / "token_views.css").read_text()
 
 
 def _component():
@@ -53,11 +59,39 @@ def _b64(a: np.ndarray, dtype) -> str:
     return base64.b64encode(np.ascontiguousarray(a, dtype=dtype).tobytes()).decode("ascii")
 
 
-def view_data(kind: str, view: WindowView, variant: str, layer: int, head: int | None) -> dict:
+def shown_heads(head: int, n_heads: int, values: dict | None = None) -> list[int]:
+    """The heads the head view overlays: the map's ``head`` and the ones added with the chips
+    (this session's, else the URL's ``?overlay=``), sorted. ``values``: the session's shared state
+    taken during a page run (a deferred export reads it in another thread)."""
+    values = state.shared() if values is None else values
+    if OVERLAY not in values:
+        extra = state.url_value(OVERLAY, state.LIST, [])
+        values[OVERLAY] = [int(h) for h in extra if h.isdigit()]
+    return sorted({head, *(h for h in values[OVERLAY] if 0 <= h < n_heads)})
+
+
+def _on_heads(key: str) -> None:
+    """A click on a head chip of the head view (trigger "heads" = {heads, head, seq}): the heads
+    shown besides the map's head go into the session and the URL (``?overlay=``)."""
+    value = st.session_state[key].get("heads") if st.session_state.get(key) else None
+    if not value:
+        return
+    head = int(value.get("head", -1))
+    extra = sorted({int(h) for h in value.get("heads", []) if int(h) != head})
+    seq = max(int(value.get("seq", 0)), state.shared().get(OVERLAY_SEQ, 0))
+    state.shared().update({OVERLAY: extra, OVERLAY_SEQ: seq})
+    state.set_url(OVERLAY, [str(h) for h in extra] or None, state.LIST)
+
+
+def view_data(
+    kind: str, view: WindowView, variant: str, layer: int, head: int | None, heads: list[int] | None = None
+) -> dict:
     """What the browser draws for ``kind`` (focus and sequence number added by :func:`token_view`).
 
-    ``head`` None (token_mass only): the mean over the layer's heads. Arrays are little-endian,
-    row-major: ``map`` (N, N) float32 of (layer, head); ``strip`` (N, N) float32 of the strip's map
+    ``head`` None (token_mass only): the mean over the layer's heads; ``heads`` (head_view): the
+    heads overlaid (default: ``head`` alone). Arrays are little-endian,
+    row-major: ``map`` (N, N) float32 of (layer, head); ``heads_map`` (H, N, N) float32 of every head
+    of the layer (head_view: a chip shows or hides one at once); ``strip`` (N, N) float32 of the strip's map
     (the head, or the mean over the layer's heads: its column sums are the mean column mass, its
     rows the mean rows sent); ``model`` (L, H, N, N) uint8 of weight / model_max * 255.
     """
@@ -73,10 +107,19 @@ def view_data(kind: str, view: WindowView, variant: str, layer: int, head: int |
         top = float(np.nanmax(m)) if m.size and np.isfinite(m).any() else 1.0
         d.update(map=_b64(m, "<f4"), zmax=top, title=f"{variant}: layer {layer}, head {head}")
     elif kind == "head_view":
+        heads = sorted({head, *(heads or [])})
+        named = f"head {head}" if len(heads) == 1 else "heads " + ", ".join(map(str, heads))
         d.update(
             map=_b64(w[layer, head], "<f4"),
+            heads_map=_b64(w[layer], "<f4"),  # (H, N, N)
+            heads=H,
+            heads_shown=heads,
+            head_shown=head,
+            heads_seq=state.shared().get(OVERLAY_SEQ, 0),
+            colors=[head_color(h) for h in range(H)],
             min_weight=HEAD_VIEW_MIN_WEIGHT,
-            title=f"{variant}: head view, layer {layer}, head {head}",
+            title_base=f"{variant}: head view, layer {layer}",
+            title=f"{variant}: head view, layer {layer}, {named}",
         )
     elif kind == "token_mass":
         where = f"layer {layer}, " + ("mean over heads" if head is None else f"head {head}")
@@ -137,6 +180,7 @@ def decoded(data: dict) -> dict:
         "model_idx": ("<u2", (-1,)),
         "model_val": ("u1", (-1,)),
         "model_off": ("<u4", (-1,)),
+        "heads_map": ("<f4", (data.get("heads"), N, N)),
         "grid": ("<f4", (data.get("layers"), data.get("heads"), data.get("side_m"), data.get("side_n"))),
     }
     for name, (dtype, shape) in shapes.items():
@@ -159,6 +203,7 @@ def _on_click(view_key: str, key: str) -> None:
     value = st.session_state[key].get("focus") if st.session_state.get(key) else None
     if value:
         _take_focus(view_key, value)
+        note_focus_click()  # the neuron view, when shown, follows the focus: a whole-page rerun
 
 
 def _on_head(prefix: str, view_key: str, key: str) -> None:
@@ -187,7 +232,10 @@ def token_view(
 ) -> None:
     """One token view (key ``{prefix}_{kind}``) and its Export menu (the plotly figure, built when
     a file is asked for, with the focus of that moment)."""
-    data = view_data(kind, view, variant, layer, head)
+    heads = shown_heads(head, view.shape[1]) if kind == "head_view" else None
+    if heads is not None:
+        state.set_url(OVERLAY, [str(h) for h in heads if h != head] or None, state.LIST)
+    data = view_data(kind, view, variant, layer, head, heads)
     f = focus(view)
     data.update(focus=f, seq=state.shared().get(SEQ, 0))
     key = f"{prefix}_{kind}"
@@ -197,13 +245,17 @@ def token_view(
             key=f"{key}_view",
             on_focus_change=lambda: _on_click(view.key, f"{key}_view"),
             on_head_change=lambda: _on_head(prefix, view.key, f"{key}_view"),
+            on_heads_change=lambda: _on_heads(f"{key}_view"),
         )
     values = state.shared()  # this session's, read again when a file is asked for (another thread)
 
     def params() -> dict:  # the focus of the moment a file is asked for
         if kind == "grid":
             return {"variant": variant, "max_tokens": GRID_MAX_TOKENS, "focus": current_focus(view, values)}
-        return {"variant": variant, "layer": layer, "head": head, "focus": current_focus(view, values)}
+        p = {"variant": variant, "layer": layer, "head": head, "focus": current_focus(view, values)}
+        if kind == "head_view":  # the heads shown at that moment (chips rerun only the focus bar)
+            p["heads"] = shown_heads(head, view.shape[1], values)
+        return p
 
     export_menu(
         prefix,
@@ -226,4 +278,11 @@ def focus_bar(prefix: str, view: WindowView) -> None:
     data.update(hint=HINT, focus=focus(view), seq=state.shared().get(SEQ, 0))
     key = f"{prefix}_focus_bar"
     with st.container(key=key):
-        _component()(data=data, key=f"{key}_view", on_focus_change=lambda: _on_click(view.key, f"{key}_view"))
+        _component()(
+            data=data,
+            key=f"{key}_view",
+            on_focus_change=lambda: _on_click(view.key, f"{key}_view"),
+            on_heads_change=lambda: _on_heads(f"{key}_view"),  # the head view's chips, routed here
+        )
+    if wants_page_rerun():  # a focus click while the neuron view is shown: it follows the focus
+        st.rerun()

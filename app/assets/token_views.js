@@ -1,9 +1,9 @@
 // attnlab's token views, drawn in the browser (appkit/token_views.py mounts them):
 //   heatmap     one head's map, every token labelled "position: token" (a subset on long axes)
-//   head_view   bertviz's head view: queries left, keys right, a line per pair, opacity = weight
+//   head_view   bertviz's head view, several heads overlaid (drawn by line_views.js)
 //   token_mass  the tokens in reading order shaded by the attention they receive (or, with a
 //               focus, by the row the focused token sends)
-//   model_view  every layer x head as a small head view (bertviz's model view)
+//   model_view  every layer x head as a small head view (bertviz's model view; line_views.js)
 //   grid        every layer x head as a small map (means over token blocks on long windows)
 //   focus_bar   which token is focused (and a button to clear it)
 // Click to focus: a click on a token in any view focuses it in every view of the same analysis on
@@ -218,74 +218,6 @@ function drawHeatmap(root, d, focus) {
   };
 }
 
-// ---- head view -------------------------------------------------------------------------------
-function drawHeadView(root, d, focus) {
-  const N = d.n, map = d.map, tokens = d.tokens, min = d.min_weight;
-  const row = 20, width = 460, xq = 150, xk = width - 150, top = 12;
-  const [c, g] = canvas(root, "av-canvas", width, top * 2 + row * N);
-  let zmax = 0;
-  for (let k = 0; k < map.length; k++) if (map[k] > zmax) zmax = map[k];
-  const y = (i) => top + (i + 0.5) * row;
-  for (const pass of focus === null ? [0] : [0, 1]) {  // the focused lines over the faded ones
-    for (let i = 0; i < N; i++) {
-      for (let j = 0; j < N; j++) {
-        const w = map[i * N + j];
-        if (!(w >= min)) continue;
-        const touches = focus !== null && (i === focus || j === focus);
-        if (pass === 1 && !touches) continue;
-        if (pass === 0 && touches) continue;
-        const level = w / (zmax || 1);
-        const alpha = (0.15 + 0.85 * level) * (focus !== null && !touches ? 0.12 : 1);
-        g.strokeStyle = touches ? FOCUS : `rgba(${LINE.join(",")},${alpha})`;
-        g.globalAlpha = touches ? 0.25 + 0.75 * level : 1;
-        g.lineWidth = 1 + 2.5 * level;
-        g.beginPath();
-        g.moveTo(xq, y(i));
-        g.lineTo(xk, y(j));
-        g.stroke();
-      }
-    }
-  }
-  g.globalAlpha = 1;
-  g.textBaseline = "middle";
-  for (let i = 0; i < N; i++) {
-    g.fillStyle = i === focus ? FOCUS : "#222";
-    g.font = i === focus ? "bold 12px sans-serif" : "12px sans-serif";
-    g.textAlign = "right";
-    g.fillText(label(tokens, i), xq - 8, y(i));
-    g.textAlign = "left";
-    g.fillText(label(tokens, i), xk + 8, y(i));
-  }
-  const at = (ev) => {
-    const r = c.getBoundingClientRect();
-    const x = ev.clientX - r.left, i = Math.floor((ev.clientY - r.top - top) / row);
-    if (i < 0 || i >= N) return null;
-    if (x < xq + 4) return { side: "query", i };
-    if (x > xk - 4) return { side: "key", i };
-    return null;
-  };
-  c.onmousemove = (ev) => {
-    const p = at(ev);
-    if (!p) return showTip(root, ev, null);
-    if (p.side === "query") {
-      const r = Array.from(map.subarray(p.i * N, p.i * N + N));
-      return showTip(root, ev, `query ${p.i}: ${tokens[p.i]} → ${top3(r, tokens)}`);
-    }
-    const col = Array.from({ length: N }, (_, i) => map[i * N + p.i]);
-    const mass = col.reduce((a, b) => a + (Number.isFinite(b) ? b : 0), 0);
-    showTip(root, ev, `key ${p.i}: ${tokens[p.i]}, column mass ${mass.toFixed(3)} ← ${top3(col, tokens)}`);
-  };
-  c.onmouseleave = (ev) => showTip(root, ev, null);
-  c.onclick = (ev) => {
-    const p = at(ev);
-    if (p) click(root, p.i);
-  };
-  root.pointOf = (pos) => {
-    const r = c.getBoundingClientRect();
-    return [r.left + xq - 20, r.top + y(pos)];
-  };
-}
-
 // ---- token strip -----------------------------------------------------------------------------
 function drawStrip(root, d, focus) {
   const N = d.n, strip = d.strip, tokens = d.tokens, quantized = !strip;  // long windows: 16-bit rows
@@ -339,74 +271,6 @@ function drawStrip(root, d, focus) {
   root.pointOf = (pos) => {
     const r = cells[pos].getBoundingClientRect();
     return [r.left + r.width / 2, r.top + r.height / 2];
-  };
-}
-
-// ---- model view ------------------------------------------------------------------------------
-function drawModelView(root, d, focus) {
-  // the pairs >= min_weight of every head, sparse: head h's are model_idx / model_val[off[h] .. off[h + 1])
-  // (index i * N + j, value weight / model_max * 255)
-  const { n: N, layers: L, heads: H, tokens } = d, idx = d.model_idx, val = d.model_val, off = d.model_off;
-  const left = 56, top = 22, gapx = 10;  // each head 72 px wide, narrower when the page is
-  const cw = Math.max(24, Math.min(72, ((root.clientWidth || 1000) - left) / H - gapx));
-  const rowpx = Math.max(3, Math.min(8, 260 / N)), ch = rowpx * N, gapy = 3 * rowpx + 8;
-  const [c, g] = canvas(root, "av-canvas", left + H * (cw + gapx), top + L * (ch + gapy));
-  const line = (x0, y0, k, colour, level) => {
-    g.strokeStyle = colour;
-    g.lineWidth = 0.5 + 1.5 * level;
-    g.beginPath();
-    g.moveTo(x0 + 4, y0 + (Math.floor(k / N) + 0.5) * rowpx);
-    g.lineTo(x0 + cw - 4, y0 + ((k % N) + 0.5) * rowpx);
-    g.stroke();
-  };
-  g.textBaseline = "middle";
-  g.fillStyle = "#222";
-  g.textAlign = "center";
-  for (let h = 0; h < H; h++) g.fillText(`head ${h}`, left + h * (cw + gapx) + cw / 2, 10);
-  for (let l = 0; l < L; l++) {
-    const y0 = top + l * (ch + gapy);
-    g.fillStyle = "#222";
-    g.textAlign = "right";
-    g.fillText(`layer ${l}`, left - 6, y0 + ch / 2);
-    for (let h = 0; h < H; h++) {
-      const x0 = left + h * (cw + gapx), head = l * H + h;
-      const pairs = [];
-      for (let e = off[head]; e < off[head + 1]; e++) pairs.push(e);
-      const strong = pairs.length > 2 * N ? [...pairs].sort((a, b) => val[b] - val[a]).slice(0, 2 * N) : pairs;
-      for (const e of strong) {  // the 2N strongest pairs (as the plotly model view); focused: faded
-        const level = val[e] / 255, k = idx[e];
-        const touches = focus !== null && (Math.floor(k / N) === focus || k % N === focus);
-        line(x0, y0, k, touches ? FOCUS : `rgba(${LINE.join(",")},${(0.15 + 0.85 * level) * (focus !== null ? 0.12 : 1)})`, level);
-      }
-      if (focus !== null) {  // every pair the focused token sends and receives, over the rest
-        for (const e of pairs) if (Math.floor(idx[e] / N) === focus || idx[e] % N === focus) line(x0, y0, idx[e], FOCUS, val[e] / 255);
-        g.fillStyle = FOCUS;
-        g.fillRect(x0, y0 + focus * rowpx, 4, rowpx);
-        g.fillRect(x0 + cw - 4, y0 + focus * rowpx, 4, rowpx);
-      }
-      if (l === d.layer_shown && h === d.head_shown) frame(g, x0 - 3, y0 - 3, cw + 6, ch + 6);
-    }
-  }
-  const at = (ev) => {
-    const r = c.getBoundingClientRect();
-    const x = ev.clientX - r.left - left, y = ev.clientY - r.top - top;
-    const h = Math.floor(x / (cw + gapx)), l = Math.floor(y / (ch + gapy));
-    const p = Math.floor((y - l * (ch + gapy)) / rowpx);
-    return h >= 0 && h < H && l >= 0 && l < L && p >= 0 && p < N ? { l, h, p } : null;
-  };
-  c.onmousemove = (ev) => {
-    const p = at(ev);
-    showTip(root, ev, p && `layer ${p.l}, head ${p.h}\ntoken ${p.p}: ${tokens[p.p]}`);
-  };
-  c.onmouseleave = (ev) => showTip(root, ev, null);
-  c.onclick = (ev) => {  // a token of the shown head: focus it; of another head: show that head too
-    const p = at(ev);
-    if (p && p.l === d.layer_shown && p.h === d.head_shown) click(root, p.p);
-    else if (p) drill(root, p.l, p.h, p.p);
-  };
-  root.pointOf = (pos, l = 0, h = 0) => {
-    const r = c.getBoundingClientRect();
-    return [r.left + left + h * (cw + gapx) + 2, r.top + top + l * (ch + gapy) + (pos + 0.5) * rowpx];
   };
 }
 
@@ -507,6 +371,10 @@ const DRAW = { grid: drawGrid, focus_bar: drawFocusBar, heatmap: drawHeatmap, he
 
 function draw(root) {
   const d = root.attnlab, focus = group(d.group).focus;
+  if (d.kind === "head_view") {  // the heads overlaid (line_views.js)
+    d.shownNow = shownHeads(root, d);
+    d.title = headViewTitle(d, d.shownNow);
+  }
   const f = focus !== null && focus < d.n ? focus : null;
   if (d.kind !== "token_mass" && d.kind !== "focus_bar") header(root, f === null || d.kind === "heatmap" ? d.title : `${d.title} (focus: ${f}: ${d.tokens[f]})`);
   DRAW[d.kind](root, d, f);
@@ -552,10 +420,11 @@ export default function (component) {
   }
   const d = { ...data, grid: decode(data.grid, Float32Array), map: decode(data.map, Float32Array), strip: decode(data.strip, Float32Array),
     strip_q: decode(data.strip_q, Uint16Array), strip_mass: decode(data.strip_mass, Float32Array), model_idx: decode(data.model_idx, Uint16Array), model_val: decode(data.model_val, Uint8Array),
-    model_off: decode(data.model_off, Uint32Array) };
+    model_off: decode(data.model_off, Uint32Array), heads_map: decode(data.heads_map, Float32Array) };
   root.attnlab = d;
   root.attnlabSend = (v) => setTriggerValue("focus", v);
   root.attnlabHead = (v) => setTriggerValue("head", v);
+  root.attnlabHeads = (v) => setTriggerValue("heads", v);
   root.redraw = () => draw(root);
   root.dataset.kind = d.kind;
   const gr = group(d.group);

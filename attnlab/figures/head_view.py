@@ -31,10 +31,22 @@ def _segments(qi: np.ndarray, kj: np.ndarray, x0: float, x1: float, y0: float = 
     return xs, ys
 
 
-def _line_traces(pairs, top: float, min_weight: float, buckets: int, focus: int | None) -> list[go.Scatter]:
+def _line_traces(
+    pairs,
+    top: float,
+    min_weight: float,
+    buckets: int,
+    focus: int | None,
+    *,
+    color: str = LINE_COLOR,
+    focus_color: str = FOCUS_COLOR,
+    group: str | None = None,
+) -> list[go.Scatter]:
     """Lines grouped into ``buckets`` opacity levels (one trace each) + the focused token's lines.
 
     pairs: list of (qi, kj, weight, x0, x1, y0) arrays / offsets, one entry per head drawn.
+    ``color`` / ``focus_color``: the lines' colours; ``group``: a legend group the traces join (the
+    head overlay toggles a head's lines through its legend entry).
     """
     edges = np.linspace(min_weight, max(top, min_weight * 1.0001), buckets + 1)
     traces = []
@@ -62,7 +74,8 @@ def _line_traces(pairs, top: float, min_weight: float, buckets: int, focus: int 
                     mode="lines",
                     hoverinfo="skip",
                     showlegend=False,
-                    line={"color": FOCUS_COLOR if focused else LINE_COLOR, "width": 1 + 2.5 * level},
+                    legendgroup=group,
+                    line={"color": focus_color if focused else color, "width": 1 + 2.5 * level},
                     opacity=(0.15 + 0.85 * level) * (0.12 if faded else 1.0),
                 )
             )
@@ -114,9 +127,15 @@ def head_view(
     q_hover = [f"{i}: {queries[i]} → {_top_text(w[i], keys)}" for i in range(M)]
     k_hover = [f"{j}: {keys[j]}, column mass {mass[j]:.3f} ← {_top_text(w[:, j], queries)}" for j in range(N)]
 
-    def colours(n):
-        return ["#d45500" if i == focus else "#222" for i in range(n)]
+    token_traces(fig, queries, keys, q_hover, k_hover, focus)
+    fig.update_layout(title=title, width=520, height=max(300, 20 * max(M, N) + 120))
+    return fig
 
+
+def token_traces(fig: go.Figure, queries, keys, q_hover, k_hover, focus: int | None) -> None:
+    """The query (x = 0) and key (x = 1) token markers of a head view, with their hover texts, as
+    its last two traces (``customdata`` = position; the focused token's label in orange), and the
+    view's axes and white, hover-closest layout (head_view, head_overlay)."""
     for side, x, labels, hover, pos in (
         ("query", 0.0, queries, q_hover, "middle left"),
         ("key", 1.0, keys, k_hover, "middle right"),
@@ -129,7 +148,7 @@ def head_view(
                 mode="markers+text",
                 text=labels,
                 textposition=pos,
-                textfont={"size": 12, "color": colours(n)},
+                textfont={"size": 12, "color": ["#d45500" if i == focus else "#222" for i in range(n)]},
                 marker={"size": 9, "color": "rgba(31, 119, 180, 0.35)", "symbol": "square"},
                 customdata=np.arange(n),
                 hovertext=hover,
@@ -141,15 +160,7 @@ def head_view(
         )
     fig.update_xaxes(visible=False, range=[-0.9, 1.9], fixedrange=True)
     fig.update_yaxes(visible=False, autorange="reversed", fixedrange=True)
-    fig.update_layout(
-        title=title,
-        width=520,
-        height=max(300, 20 * max(M, N) + 120),
-        plot_bgcolor="white",
-        margin={"l": 10, "r": 10, "t": 60, "b": 10},
-        hovermode="closest",
-    )
-    return fig
+    fig.update_layout(plot_bgcolor="white", margin={"l": 10, "r": 10, "t": 60, "b": 10}, hovermode="closest")
 
 
 def model_view(

@@ -5,7 +5,8 @@ Kinds built from one analysis (weights ``{variant: (L, H, N, N)}`` of one window
 
     grid            layer x head maps of one variant (attnlab.figures.attention_grid: one trace)
     heatmap         one head's map with token labels (attnlab.figures.attention_heatmap)
-    head_view       lines from each query to each key, opacity = weight (bertviz-style)
+    head_view       lines from each query to each key, opacity = weight (bertviz-style); with
+                    params["heads"] several heads of the layer overlaid, a colour each
     model_view      every layer x head as a small head view (bertviz's model view, <= 64 tokens)
     token_mass      the text's tokens shaded by the attention they receive (column mass), or by
                     the row a focused token sends
@@ -36,7 +37,8 @@ from attnlab.figures._data import as_array, block_mean
 from attnlab.figures.attention import attention_grid, attention_heatmap
 from attnlab.figures.bundle import FigureBundle, long_table
 from attnlab.figures.distributions import column_mass_distribution, explained_away_heatmap
-from attnlab.figures.head_view import head_view, model_view
+from attnlab.figures.head_overlay import check_heads, head_overlay
+from attnlab.figures.head_view import model_view
 from attnlab.figures.views import js_distance_heatmap, panel_heatmaps, token_mass_strip
 
 __all__ = ["KINDS", "MULTI_KINDS", "build"]
@@ -154,17 +156,20 @@ def _one_head(kind: str, v: str, w: np.ndarray, tokens, p: dict) -> FigureBundle
         return FigureBundle(
             fig, long_table(w[layer, head], []), {v: w[layer, head], "tokens": np.array(tokens)}
         )
-    if kind == "head_view":
-        fig = head_view(
-            w[layer, head],
-            tokens,
-            title=f"{v}: head view, layer {layer}, head {head}",
-            min_weight=p.get("min_weight", 0.02),
-            focus=focus,
+    if kind == "head_view":  # params["heads"]: the heads overlaid (None: the one head)
+        heads = check_heads(p.get("heads") or [head], w.shape[1])
+        if head not in heads:
+            raise ValueError(f"head_view: heads {heads} must include the head shown, {head}")
+        maps = w[layer, heads]  # (h, N, N)
+        named = f"head {head}" if len(heads) == 1 else "heads " + ", ".join(map(str, heads))
+        fig = head_overlay(
+            maps, tokens, heads, title=f"{v}: head view, layer {layer}, {named}",
+            min_weight=p.get("min_weight", 0.02), focus=focus,
         )
-        return FigureBundle(
-            fig, long_table(w[layer, head], []), {v: w[layer, head], "tokens": np.array(tokens)}
-        )
+        if len(heads) == 1:
+            return FigureBundle(fig, long_table(maps[0], []), {v: maps[0], "tokens": np.array(tokens)})
+        table = long_table(maps, ["head"]).assign(head=lambda t: np.asarray(heads)[t["head"]])
+        return FigureBundle(fig, table, {v: maps, "heads": np.array(heads), "tokens": np.array(tokens)})
     sel = w[layer] if head is None else w[layer, head][None]  # (h, N, N)
     where = f"layer {layer}, " + ("mean over heads" if head is None else f"head {head}")
     if focus is None:
@@ -194,9 +199,10 @@ def build(
         weights: ``{variant: (L, H, N, N)}`` of one window; for ``MULTI_KINDS`` (and an overlaid
             column_mass) a list of such dicts (sources A, B, ..., same tokens).
         tokens: the window's N tokens.
-        params: the kind's settings: ``variant``, ``layer``, ``head``, ``focus`` (maps); ``variants``,
-            ``layer`` (None = all), ``group`` ("variant" | "layer"), ``dist`` ("ecdf" | "histogram")
-            for column_mass; ``eps`` (relative) for explained_away; ``max_tokens`` for grid;
+        params: the kind's settings: ``variant``, ``layer``, ``head``, ``focus`` (maps), ``heads``
+            (head_view: the heads overlaid); ``variants``, ``layer`` (None = all), ``group``
+            ("variant" | "layer"), ``dist`` ("ecdf" | "histogram") for column_mass; ``eps``
+            (relative) for explained_away; ``max_tokens`` for grid;
             ``variants`` = one variant per source and ``shared_scale`` for the multi-source kinds.
         u: HNAS weight for the u/N line of column_mass (float only).
         labels: display names of the sources (multi-source kinds).
