@@ -513,3 +513,69 @@ def test_falcon_layouts_equal_eager_and_the_hand_built_reference(fields):
                                          causal=c.causal)
         torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-5)
     _check_against_reference(model, "falcon", ids)
+
+
+def _literal_head_swap(model, ids, target, variant: str, causal: bool, lm: bool):
+    """The model's forward with torch's softmax wrapped by hand: the families call it once per layer, in
+    layer order, so call ``target[0]`` gets head ``target[1]`` replaced by the variant's weights of its
+    scores (masked entries apart). -> the mean log-likelihood (lm) or the last hidden states (N, D)."""
+    original = torch.nn.functional.softmax
+    calls = [0]
+
+    def softmax(x, dim=None, _stacklevel=3, dtype=None):
+        out = original(x, dim=dim, dtype=dtype)
+        if target is not None and calls[0] == target[0]:
+            s = x[:, target[1]]  # (1, M, N)
+            allowed = s > torch.finfo(s.dtype).min / 2
+            w = attnlab.attention_weights(s.masked_fill(~allowed, 0.0), variant, mask=allowed, causal=causal)
+            out = out.clone()
+            out[:, target[1]] = w.to(out.dtype)
+        calls[0] += 1
+        return out
+
+    torch.nn.functional.softmax = softmax
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids, use_cache=False, output_hidden_states=True)
+    finally:
+        torch.nn.functional.softmax = original
+    if lm:
+        return torch.log_softmax(out.logits[0, :-1].double(), -1).gather(-1, ids[0, 1:, None])[:, 0].mean()
+    return out.hidden_states[-1][0].double()  # (N, D)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", ["mpnet", "deberta-v2", "bloom"])
+def test_head_interventions_on_score_captured_families_equal_the_literal_one_head_swap(key, tmp_path):
+    """Per-head interventions at the module's softmax (attnlab/hf/beyond/head_swaps.py): encoders' hidden
+    and pooled cosine distances, a causal LM's log-likelihood change, as a literal one-head swap's."""
+    import transformers
+
+    from attnlab.hf.beyond import interventions as iv
+
+    lm = key == "bloom"
+    build_tiny_model(key, tmp_path, scale=0.5)  # peaked attention: a swap changes the output
+    if lm:  # BLOOM with its LM head (tied to the embeddings)
+        model = transformers.BloomForCausalLM(_config(key, len(hf.load_model(tmp_path).tokenizer)))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, 0.5)
+        model.save_pretrained(tmp_path)
+        loaded = iv.load_with_lm_head(tmp_path)
+    else:
+        loaded = hf.load_model(tmp_path)
+    ids = loaded.tokenizer(TEXT, return_tensors="pt")["input_ids"][:, :N_TOKENS]
+    result = iv.head_interventions(loaded, ids, "dnas", batch_size=3)  # heads split over batches
+    base = _literal_head_swap(loaded.model, ids, None, "dnas", lm, lm)
+    for layer, head in ((0, 0), (0, 3), (1, 2)):
+        y = _literal_head_swap(loaded.model, ids, (layer, head), "dnas", lm, lm)
+        if lm:
+            want = {"loglik_change": y - base}
+        else:
+            cos = torch.nn.functional.cosine_similarity
+            want = {"hidden_cosine": (1 - cos(y, base, dim=-1)).mean(),
+                    "pooled_cosine": 1 - cos(y.mean(0), base.mean(0), dim=0)}
+        for name, value in want.items():
+            assert float(result.measures[name][layer, head]) == pytest.approx(float(value), abs=1e-5), name
+    assert float(next(iter(result.measures.values())).abs().max()) > 1e-5  # DNAS changes something
+    assert torch.nn.functional.softmax is scores._SOFTMAX

@@ -18,7 +18,10 @@ l's attention-output projection and feed-forward: for MiniLM's 6 x 12 heads 180 
 and 72 post-attention halves (~0.6 of a layer each), ~37 forward-equivalents instead of 72 forwards.
 
 The attention function ``attnlab_intervene`` is registered with transformers' ``AttentionInterface``;
-every stand-in, hook and the model's attention implementation are restored on exit, also on error.
+every stand-in, hook and the model's attention implementation are restored on exit, also on error. A
+family whose attention bypasses the interface (attnlab/hf/capture/score_adapters.py) swaps the head at
+its module's softmax instead (:func:`attnlab.hf.capture.scores.observe_softmax`): the model's weights,
+head h_b of element b replaced by the variant's weights of its scores.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from attnlab.hf.capture.interface import UnsupportedModelError, to_bool_mask
+from attnlab.hf.capture.score_adapters import adapter_for
+from attnlab.hf.capture.scores import observe_softmax, variant_weights
 from attnlab.normalizers import attend
 
 __all__ = ["INTERVENE", "BATCH_BYTES", "SwapPlan", "swap_runner", "default_batch_size"]
@@ -103,8 +108,38 @@ AttentionInterface.register(INTERVENE, _intervene_attention)
 AttentionMaskInterface.register(INTERVENE, sdpa_mask)
 
 
+def _intervene_scores(adapter):
+    """The softmax of a family whose attention bypasses the AttentionInterface (score_adapters.py), as
+    ``attnlab_intervene`` for it: the model's own weights, and at the swapped layer head h_b of element b
+    the variant's weights of that head's scores (B, H, M, N) (the module then applies them to v)."""
+
+    def on_scores(_order, module, scores, dtype):
+        plan = _PLAN.get()
+        layer = None if plan is None else plan.layer_of.setdefault(id(module), len(plan.layer_of))
+        if plan is None or plan.heads is None or layer != plan.layer:
+            return None
+        B = scores.shape[0]
+        rows, heads = torch.arange(B, device=scores.device), torch.tensor(plan.heads, device=scores.device)
+        probs = scores.softmax(-1, dtype=dtype)  # (B, H, M, N), the model's own (F.softmax's op)
+        chosen = scores[rows, heads][None]  # (1, B, M, N): the B swapped heads side by side
+        probs[rows, heads] = variant_weights(chosen, plan.variant, adapter.causal, None, dict(plan.params),
+                                             probs.dtype)[0]
+        return probs
+
+    return on_scores
+
+
 @contextlib.contextmanager
 def _intervening(model, plan: SwapPlan) -> Iterator[None]:
+    adapter = adapter_for(model)
+    if adapter is not None:  # attention outside the AttentionInterface: at the module's softmax
+        token = _PLAN.set(plan)
+        try:
+            with observe_softmax(model, adapter, _intervene_scores(adapter)):
+                yield
+        finally:
+            _PLAN.reset(token)
+        return
     previous = model.config._attn_implementation
     if not type(model)._can_set_attn_implementation():
         raise UnsupportedModelError(

@@ -43,7 +43,7 @@ from attnlab.hf.capture.run_state import (
 from attnlab.hf.capture.score_adapters import ScoreAdapter, attention_modules
 from attnlab.normalizers import attention_weights
 
-__all__ = ["run_on_scores", "scores_as_layer", "variant_weights", "allowed_entries"]
+__all__ = ["run_on_scores", "observe_softmax", "scores_as_layer", "variant_weights", "allowed_entries"]
 
 _SOFTMAX = F.softmax  # torch's own, called for every softmax outside an observed module
 
@@ -144,44 +144,25 @@ def _use_eager(config) -> Callable[[], None]:
 
 
 @contextlib.contextmanager
-def run_on_scores(model, adapter: ScoreAdapter, variant: str | None, run: _Run) -> Iterator[_Run]:
-    """Observe (``run.capture`` a list: recompute mode) or replace (``variant``: swap mode) the softmax
-    of every attention module of ``adapter``'s family in ``model``'s forwards inside the block.
-
-    Recompute mode appends one :func:`scores_as_layer` record per layer to ``run.capture`` and raises
-    ``_CaptureComplete`` once ``run.stop_after`` layers are recorded (``run.layer_hook`` is not called:
-    no AttentionInterface call gives it q, k, v). Swap mode returns :func:`variant_weights` with the
-    run's parameters (per layer and head: ``u`` (L, H); a module's ``attnlab_<name>`` attributes).
-    """
+def observe_softmax(model, adapter: ScoreAdapter, on_scores, on_start=None) -> Iterator[None]:
+    """Inside the block, the softmax of every attention module of ``adapter``'s family in ``model`` calls
+    ``on_scores(layer, module, scores, dtype)`` (``layer``: the module's order among the attention calls
+    of the forward; ``scores`` (B, H, M, N) with the additive mask; ``dtype`` the softmax's argument),
+    which returns the weights to use in its place, or None: the model's own softmax.
+    ``on_start(args, kwargs)`` is called at the start of each forward of ``model``. Hooks, the patch and
+    the attention implementation (Falcon: eager) are restored on exit, also on error."""
     modules = [m for _, m in attention_modules(model, adapter)]
-    valid: list[torch.Tensor | None] = [None]  # the forward's (B, N) padding mask, for swap mode
-
-    def on_scores(layer: int, module, scores: torch.Tensor, dtype) -> torch.Tensor | None:
-        if run.capture is not None:
-            run.capture.append(scores_as_layer(scores, adapter.causal, adapter.family))
-            if run.stop_after is not None and len(run.capture) >= run.stop_after:
-                raise _CaptureComplete
-            return None
-        M, N = scores.shape[-2:]
-        if adapter.causal and M != N and variant != "unas":
-            raise UnsupportedModelError(f"attnlab_{variant} runs full-sequence forwards only (got {M} "
-                                        f"queries for {N} keys, i.e. cached decoding); call {adapter.family} "
-                                        "with use_cache=False")
-        H = scores.shape[1]
-        params = {k: _layer_value(v, layer, H) for k, v in _settings_for(module, run, {}).items()}
-        params = {k: v.to(scores.device) if isinstance(v, torch.Tensor) else v for k, v in params.items()}
-        return variant_weights(scores, variant, adapter.causal, valid[0], params, dtype)
-
-    def start(_model, args, kwargs):
-        run.layer = 0
-        mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
-        valid[0] = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
-
+    order = [0]  # attention calls so far in this forward
     tokens: list[contextvars.Token] = []
 
+    def start(_model, args, kwargs):
+        order[0] = 0
+        if on_start is not None:
+            on_start(args, kwargs)
+
     def enter(module, _args):
-        tokens.append(_CALL.set(_Call(module, run.layer, on_scores)))
-        run.layer += 1
+        tokens.append(_CALL.set(_Call(module, order[0], on_scores)))
+        order[0] += 1
 
     def leave(module, _args, output):
         call = _CALL.get()
@@ -198,8 +179,45 @@ def run_on_scores(model, adapter: ScoreAdapter, variant: str | None, run: _Run) 
             for m in modules:
                 handles.append(m.register_forward_pre_hook(enter))
                 handles.append(m.register_forward_hook(leave, always_call=True))
-            yield run
+            yield
     finally:
         for h in handles:
             h.remove()
         undo()
+
+
+@contextlib.contextmanager
+def run_on_scores(model, adapter: ScoreAdapter, variant: str | None, run: _Run) -> Iterator[_Run]:
+    """Observe (``run.capture`` a list: recompute mode) or replace (``variant``: swap mode) the softmax
+    of every attention module of ``adapter``'s family in ``model``'s forwards inside the block.
+
+    Recompute mode appends one :func:`scores_as_layer` record per layer to ``run.capture`` and raises
+    ``_CaptureComplete`` once ``run.stop_after`` layers are recorded (``run.layer_hook`` is not called:
+    no AttentionInterface call gives it q, k, v). Swap mode returns :func:`variant_weights` with the
+    run's parameters (per layer and head: ``u`` (L, H); a module's ``attnlab_<name>`` attributes).
+    """
+    valid: list[torch.Tensor | None] = [None]  # the forward's (B, N) padding mask, for swap mode
+
+    def on_scores(layer: int, module, scores: torch.Tensor, dtype) -> torch.Tensor | None:
+        run.layer = layer + 1
+        if run.capture is not None:
+            run.capture.append(scores_as_layer(scores, adapter.causal, adapter.family))
+            if run.stop_after is not None and len(run.capture) >= run.stop_after:
+                raise _CaptureComplete
+            return None
+        M, N = scores.shape[-2:]
+        if adapter.causal and M != N and variant != "unas":
+            raise UnsupportedModelError(f"attnlab_{variant} runs full-sequence forwards only (got {M} "
+                                        f"queries for {N} keys, i.e. cached decoding); call {adapter.family} "
+                                        "with use_cache=False")
+        H = scores.shape[1]
+        params = {k: _layer_value(v, layer, H) for k, v in _settings_for(module, run, {}).items()}
+        params = {k: v.to(scores.device) if isinstance(v, torch.Tensor) else v for k, v in params.items()}
+        return variant_weights(scores, variant, adapter.causal, valid[0], params, dtype)
+
+    def on_start(args, kwargs):
+        mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+        valid[0] = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+
+    with observe_softmax(model, adapter, on_scores, on_start):
+        yield run
