@@ -6,6 +6,11 @@
 - swap-mode UNAS gives the eager model's hidden states;
 - contributions are finite, found by the declared path (named or traced), and equal the hand-built
   ||pi_ij f_h(x_j)|| (f_h(x_j) = v_j,g(h) W_O,h from the projections' weights, read by hand per family);
+- families whose attention bypasses the AttentionInterface (MPNet, DeBERTa-v2, GPT-Neo, BLOOM, Falcon) are
+  analysed from the scores captured at their module's softmax: the same checks, BLOOM's scores against
+  q k^T / sqrt(Dh) + ALiBi written out for every variant (recompute and swap), Falcon's q/k/v layouts,
+  per-head interventions against a literal one-head swap, and a family without an adapter refused;
+- swap mode's attention functions honour softcap and sliding_window and refuse sinks / position_bias;
 - refused architectures get a worded ValueError naming them, never an AttributeError;
 - docs/ANALYSIS.md's table is scripts/architecture_table.py's output;
 - a tokenizer class other than the saved one is named in the analysis' notes.
