@@ -270,3 +270,27 @@ def test_a_selection_focuses_its_first_token_of_this_text(monkeypatch):
     assert session["attnlab_shared"]["focus"]["position"] == 5
     assert pooled.take_selection(view, points, [2]) == []
     assert session["attnlab_shared"]["focus"]["position"] == 5
+
+
+@pytest.mark.parametrize("checkpoint", ["enc-hnas", "enc-gam"])
+def test_neuron_view_on_native_checkpoints(app_env, checkpoint):
+    """A native attnlab checkpoint: its own capture path (capture_attention_inputs); a GAM layer has
+    no single query and key, which the page says instead of drawing."""
+    from attnlab import hf
+
+    names = [o for o in run_page().selectbox(key="inspect_model").options if o.startswith(checkpoint)]
+    if not names:
+        pytest.skip(f"no shipped checkpoint {checkpoint}")
+    at = run_page(model=names[0], neuron="1", focus="2")  # a focus belongs to one model's analysis
+    assert at.selectbox(key="inspect_model").value == names[0]
+    if checkpoint == "enc-gam":
+        assert any(b.is_gam for b in hf.load_native(base.REPO / "checkpoints" / checkpoint).model.blocks)
+    blocks = hf.load_native(base.REPO / "checkpoints" / checkpoint).model.blocks
+    for layer in range(len(blocks)):
+        at.slider(key="inspect_layer").set_value(layer).run()
+        assert not at.exception, [e.message for e in at.exception]
+        page = " ".join(c.value for c in at.caption)
+        if blocks[layer].is_gam:
+            assert "GAM layer" in messages(at)
+        else:
+            assert "Score = Σ_d scale · q_d · k_d" in page, messages(at)

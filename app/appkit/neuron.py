@@ -123,7 +123,7 @@ def neuron_section(prefix: str, view: WindowView, variant: str, layer: int, head
         "window": view.window,
         "source": view.source_manifest(),
     }
-    show_bundle(prefix, "neuron_view", b, manifest)
+    show_bundle(prefix, "neuron_view", b, manifest, width="stretch")  # fits 1280 px windows too
     score = float(b.arrays["score"])
     unas = float(torch.softmax(qk.scores(head)[query], -1)[key])
     lines = [

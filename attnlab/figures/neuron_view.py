@@ -68,14 +68,14 @@ def neuron_view(
         go.Heatmap(
             z=np.stack([q, k]),
             x=np.arange(D),
-            y=[f"q ({query_label})", f"k ({key_label})"],
+            y=["q", "k"],  # (the query and the key are named in the title)
             colorscale="RdBu",
             reversescale=True,
             zmid=0.0,
             zmin=-lim,
             zmax=lim,
             showscale=False,
-            hovertemplate="%{y}, dim %{x}: %{z:.4f}<extra></extra>",
+            hovertemplate="%{y} dim %{x}: %{z:.4f}<extra></extra>",
         ),
         row=1,
         col=1,
