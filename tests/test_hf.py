@@ -577,7 +577,8 @@ def test_fused_path_handles_a_wide_head_and_matches_the_separate_computations():
 
 
 @pytest.mark.parametrize("N", [24, 64])  # 64: whole vectors, weights streamed to memory
-@pytest.mark.parametrize("variants", [KERNEL, ("unas", "hnas"), ("dnas", "sinkhorn"), ("hnas",)])
+@pytest.mark.parametrize("variants", [KERNEL, ("unas", "hnas"), ("dnas", "sinkhorn"), ("hnas",),
+                                      ("softmax1",), ("softmax1", "unas")])
 @pytest.mark.parametrize("iters", [1, 2, 3])
 def test_kernel_and_pytorch_paths_agree(monkeypatch, variants, iters, N):
     """attnlab.hf's CPU kernel (attnlab/csrc/analysis_cpu.cpp: a whole head per call) and the PyTorch

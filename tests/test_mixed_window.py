@@ -1,7 +1,7 @@
-"""One bidirectional window whose variants are partly fused (attnlab/hf/compute/mixed.py): softmax1,
-sparsemax and a plugin next to the fused four. Their statistics equal the materialized reference's,
-the fused variants' equal those of the fused four analysed alone, and no weight is computed for a
-table."""
+"""One bidirectional window whose variants are partly fused (attnlab/hf/compute/mixed.py): sparsemax and
+a plugin next to the fused variants (softmax1 among these: the kernel has its output). Their statistics
+equal the materialized reference's, the fused variants' equal those of the fused ones analysed alone,
+and no weight is computed for a table."""
 
 from __future__ import annotations
 
@@ -112,5 +112,5 @@ def test_the_capture_forward_takes_the_fused_variants_sums(minilm, english_text,
         return original(*args, **kwargs)
 
     monkeypatch.setattr(fused_sums, "variants_with_sums", spy)
-    hf.analyze(english_text, minilm, variants=(*DEFAULT_VARIANTS, "softmax1")).windows[0].table()
+    hf.analyze(english_text, minilm, variants=(*DEFAULT_VARIANTS, "softmax1", "sparsemax")).windows[0].table()
     assert calls == []

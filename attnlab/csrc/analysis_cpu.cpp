@@ -1,8 +1,8 @@
 // attnlab CPU kernel for attnlab.hf: the heads of the fused analysis (attnlab/hf/compute/fused_sums.py, variants_with_sums).
 //
 //   heads(q, k, scale, spec_t, iters, check_span, u, order, pu?, pd?, ph?, ps?, alpha, beta, cols,
-//         dn_rows, sk_rows, stats, js_dnas, js_hnas, js_sinkhorn, hnas, sinkhorn, v?, out?, analyse)
-//         -> linear
+//         dn_rows, sk_rows, stats, js_dnas, js_hnas, js_sinkhorn, hnas, sinkhorn, v?, out?, analyse,
+//         softmax1?) -> linear
 //
 // M maps (every layer's heads of a window) stacked along a first dimension, on torch's intra-op
 // threads, one head per thread at a time (`heads` at the end of this file). Per map, as below.
@@ -19,6 +19,7 @@
 //   sinkhorn (10) a_i E_ij b_j                   first round = dnas's; then iters - 1 rounds of
 //                                                b = 1 / (a^T E), a = 1 / (E b)
 //   hnas (12)     lerp(unas, dnas, u)
+//   softmax1      alpha_u,i r_i E_ij                r_i = 1 / (1 + t_i), t_i = 1 / sum_j exp(s_ij): a null key
 // A head is wide when check_span and its scores span more than kLinearSpanMax nats: then the same
 // outputs come from log space (analysis_wide.h, its layout: every factor 1) and the result is false.
 // The outputs are (the layout of attnlab/hf/compute/fused_sums.py's _FusedBuffers, S = spec_t.size(0)):
@@ -27,6 +28,9 @@
 //   dn_rows (N, 3 + 2S)  E @ [1, beta_d, beta_d ln beta_d, special, beta_d special]
 //   sk_rows (N, 2 + S)   E @ [b, b ln b, b special] (when iters > 1)
 //   the weights asked for (pu, pd, ph, ps: (N, N), streamed to memory: they are not read again here)
+//   softmax1 (2, N)      optional: ln t_i (t_i = 1 / sum_j exp(s_ij), the null key's odds) and the column
+//                        masses of softmax1 = p_u / (1 + t_i) (attnlab/hf/compute/fused_sums.py derives
+//                        its other sums from unas': every one is unas' times r_i, or closed-form in r_i)
 //   stats (N, 10)        0-2 sum_j E_ij s_ij beta_cj (c = unas, dnas, sinkhorn), 3-5 the same with
 //                        |i - j| for s, 6 sum_j h ln h of the hnas weights (0 ln 0 = 0), 7-9 for
 //                        p = dnas, hnas, sinkhorn and q = unas weights: sum_j p log1p(d) + q log1p(-d),
@@ -133,8 +137,9 @@ bool score_pass(Head& h, const float* q, int64_t ldq, const float* k, int64_t ld
   return true;
 }
 
-// dn_rows[:, 1:] and alpha_u, alpha_d; cols[0:2] = (alpha_u, alpha_d)^T E
-void dnas_pass(Head& h) {
+// dn_rows[:, 1:] and alpha_u, alpha_d; cols[0:2] = (alpha_u, alpha_d)^T E; with h.s1, softmax1's ln t_i
+// = -mu_i - ln sum_j E_ij and column masses (alpha_u r)^T E, r_i = 1 / (1 + t_i) (mu: the row maxima)
+void dnas_pass(Head& h, const float* mu) {
   const int64_t N = h.N, S = h.S, W = 3 + 2 * S;
   const float* bd = h.beta + N;
   std::vector<float> blnb(N), bspec(S * N);
@@ -144,8 +149,9 @@ void dnas_pass(Head& h) {
   std::vector<const float*> w{bd, blnb.data()};  // dn[:, 1], dn[:, 2], then the specials, then bspec
   for (int64_t c = 0; c < S; ++c) w.push_back(h.spec_t + c * N);
   for (int64_t c = 0; c < S; ++c) w.push_back(bspec.data() + c * N);
-  float *cu = h.cols, *cd = h.cols + N;
+  float *cu = h.cols, *cd = h.cols + N, *c1 = h.s1 ? h.s1 + N : nullptr;
   std::fill(cu, cu + 2 * N, 0.f);
+  if (c1) std::fill(c1, c1 + N, 0.f);
   for (int64_t i = 0; i < N; ++i) {
     const float* er = h.e + i * N;
     float* d = h.dn + i * W;
@@ -153,6 +159,17 @@ void dnas_pass(Head& h) {
     const float au = 1.f / d[0], ad = 1.f / d[1];
     h.alpha[i] = au;
     h.alpha[N + i] = ad;
+    if (c1) {  // softmax1 = r_i p_u,ij: one more product per entry while the row is in L1
+      const float lnt = -mu[i] - std::log(d[0]);
+      h.s1[i] = lnt;
+      const float a1 = au / (1.f + std::exp(lnt));  // exp -> inf: r = 0
+      for (int64_t j = 0; j < N; ++j) {
+        cu[j] += au * er[j];
+        cd[j] += ad * er[j];
+        c1[j] += a1 * er[j];
+      }
+      continue;
+    }
     for (int64_t j = 0; j < N; ++j) {
       cu[j] += au * er[j];
       cd[j] += ad * er[j];
@@ -344,7 +361,7 @@ bool run_head(Head& h, const float* q, int64_t ldq, const float* k, int64_t ldk,
     wide_head(h, mu, iters, sinkhorn_analysed);  // analysis_wide.h
     return false;
   }
-  dnas_pass(h);
+  dnas_pass(h, mu);
   std::fill(h.beta, h.beta + N, 1.f);
   const bool rounds = sinkhorn_analysed && iters > 1;
   if (rounds) {
@@ -374,7 +391,8 @@ at::Tensor heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& sca
                  const c10::optional<at::Tensor>& ph, const c10::optional<at::Tensor>& ps, const at::Tensor& alpha,
                  const at::Tensor& beta, const at::Tensor& cols, const at::Tensor& dn_rows, const at::Tensor& sk_rows,
                  const at::Tensor& stats, bool js_dnas, bool js_hnas, bool js_sinkhorn, bool hnas, bool sinkhorn,
-                 const c10::optional<at::Tensor>& v, const c10::optional<at::Tensor>& out, bool analyse) {
+                 const c10::optional<at::Tensor>& v, const c10::optional<at::Tensor>& out, bool analyse,
+                 const c10::optional<at::Tensor>& softmax1) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes().equals(q.sizes()) && q.scalar_type() == at::kFloat &&
                   k.scalar_type() == at::kFloat,
               "heads: q and k must be float32 (M, N, D) of one shape, got ", q.sizes(), " and ", k.sizes());
@@ -405,6 +423,8 @@ at::Tensor heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& sca
                 out->sizes());
   }
   TORCH_CHECK(!js_hnas || want_h, "heads: js_hnas needs hnas");
+  const bool with_s1 = softmax1.has_value() && softmax1->defined();
+  if (with_s1) check(*softmax1, {M, 2, N}, at::kFloat, "softmax1");
   const double* sc = scale.data_ptr<double>();
   std::vector<int64_t> ord(M);
   std::vector<char> chk(M);
@@ -439,6 +459,7 @@ at::Tensor heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& sca
              sk_rows.data_ptr<float>() + m * N * (2 + S), stats.data_ptr<float>() + m * N * kStats,
              spec_t.data_ptr<float>(), at_map(w_u, NN), at_map(w_d, NN), at_map(w_h, NN), at_map(w_s, NN),
              float(uu[m]), js_dnas, js_hnas, js_sinkhorn, want_h};
+      if (with_s1) h.s1 = softmax1->data_ptr<float>() + m * 2 * N;
       if (attend) {
         h.v = v->data_ptr<float>() + m * v->stride(0), h.ldv = v->stride(1), h.Dv = v->size(2);
         h.out = out->data_ptr<float>() + m * out->stride(0), h.ldo = out->stride(1);
@@ -458,7 +479,7 @@ TORCH_LIBRARY(attnlab_hf, m) {
         "Tensor? order, Tensor(a!)? pu, Tensor(b!)? pd, Tensor(c!)? ph, Tensor(d!)? ps, Tensor(e!) alpha, "
         "Tensor(f!) beta, Tensor(g!) cols, Tensor(h!) dn_rows, Tensor(i!) sk_rows, Tensor(j!) stats, "
         "bool js_dnas, bool js_hnas, bool js_sinkhorn, bool hnas, bool sinkhorn, Tensor? v=None, "
-        "Tensor(m!)? out=None, bool analyse=True) -> Tensor");
+        "Tensor(m!)? out=None, bool analyse=True, Tensor(n!)? softmax1=None) -> Tensor");
   m.def("causal_heads(Tensor q, Tensor k, float scale, float softcap, int window, Tensor u, Tensor spec_t, "
         "Tensor(a!) cols, Tensor(b!) rowsum, Tensor(c!) entropy, Tensor(d!) distance, Tensor(e!) special, "
         "Tensor(f!) js, Tensor? v=None, Tensor(g!)? out=None) -> Tensor");

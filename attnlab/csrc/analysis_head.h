@@ -19,6 +19,9 @@ struct Head {
   int64_t ldv = 0, Dv = 0;
   float* out = nullptr;  // (N, Dv), row stride ldo: softmax(s) v (unas' output), written by the score pass
   int64_t ldo = 0;
+  // (2, N) softmax1 (exp(s_ij) / (1 + sum_j exp(s_ij)) = r_i p_u,ij): [0] ln t_i, t_i = 1 / sum_j exp(s_ij)
+  // (so r_i = 1 / (1 + t_i)), [1] its column masses sum_i r_i p_u,ij; nullptr: not asked for
+  float* s1 = nullptr;
 };
 
 }  // namespace

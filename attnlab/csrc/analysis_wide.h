@@ -113,6 +113,7 @@ void wide_head(Head& h, const float* mu, int64_t iters, bool sinkhorn) {
   std::fill(h.alpha, h.alpha + 3 * N, 1.f);
   std::fill(h.beta, h.beta + 3 * N, 1.f);
   std::fill(h.cols, h.cols + 3 * N, 0.f);
+  if (h.s1) std::fill(h.s1 + N, h.s1 + 2 * N, 0.f);
   std::vector<const float*> spec(S);
   for (int64_t c = 0; c < S; ++c) spec[c] = h.spec_t + c * N;
   for (int64_t i = 0; i < N; ++i) {
@@ -145,6 +146,10 @@ void wide_head(Head& h, const float* mu, int64_t iters, bool sinkhorn) {
     dots(pd, spec.data(), S, N, dn + 3 + S);
     axpy(h.cols, 1.f, pu, N);
     axpy(h.cols + N, 1.f, pd, N);
+    if (h.s1) {  // softmax1 = r_i p_u,ij, ln t_i = -mu_i - ln sum_j e_ij (as the linear path)
+      h.s1[i] = -mu[i] - ln_u;
+      axpy(h.s1 + N, 1.f / (1.f + std::exp(h.s1[i])), pu, N);
+    }
     float* sk = h.sk + i * W2;
     sk[0] = sum_row(ps, N);
     sk[1] = 0.f;

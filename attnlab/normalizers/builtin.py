@@ -74,6 +74,7 @@ register_variant(
 )
 register_variant(
     "softmax1", fn.softmax1, label="softmax1", builtin=True, rows_sum_to_one=False,
+    hf_kernel=True,  # unas scaled per row: the fused analysis computes it (attnlab/csrc/analysis_cpu.cpp)
     summary="off-by-one softmax, exp(s) / (1 + sum exp(s)): a built-in null key, rows sum to < 1",
     reference='Miller 2023, "Attention is off by one"',
 )

@@ -50,7 +50,8 @@ class LayerwiseAnalysis:
                        else u.float().reshape(L, H).reshape(L * H))
         self.with_sums = specials is not None
         # every map's rows with the sums; without, one layer's, as the kernel's scratch
-        self.buf = _FusedBuffers.new(L * H if self.with_sums else H, N, self.S, torch.zeros(()))
+        self.buf = _FusedBuffers.new(L * H if self.with_sums else H, N, self.S, torch.zeros(()),
+                                     softmax1=self.with_sums and "softmax1" in self.slots)
         self.flags = flags_for(self.slots, (), True)
         self.done = 0  # layers analysed, in order
         self.active = True  # False once a layer ran the model's own attention
@@ -89,7 +90,8 @@ class LayerwiseAnalysis:
                    tuple(t[rows] for t in (self.buf.alpha, self.buf.beta, self.buf.cols, self.buf.dn_rows,
                                            self.buf.sk_rows, self.buf.rows)),
                    self.flags, self.workers, None if last else value[0],
-                   None if last else out[0].transpose(0, 1), analyse=self.with_sums)
+                   None if last else out[0].transpose(0, 1), analyse=self.with_sums,
+                   softmax1=None if self.buf.s1 is None else self.buf.s1[rows])
         return out
 
     def sums(self) -> dict | None:

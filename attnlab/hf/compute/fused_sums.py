@@ -14,6 +14,7 @@ import torch
 
 from attnlab.hf.compute.layers import LINEAR_SPAN_MAX, _check_kernel_variants, _variants_unmasked
 from attnlab.hf.compute.pool import _POOL
+from attnlab.hf.compute.softmax1_sums import softmax1_sums
 from attnlab.stats import distance_matrix
 from attnlab.stats.divergence import js2_rowsum
 from attnlab.stats.engine import row_sums_dict
@@ -60,12 +61,16 @@ class _FusedBuffers:
     dn_rows: torch.Tensor  # (LH, N, 3 + 2S) E @ [1, beta_d, beta_d ln beta_d, special, beta_d special]
     sk_rows: torch.Tensor  # (LH, N, 2 + S) E @ [b, b ln b, b special] (sinkhorn, iters >= 2)
     rows: torch.Tensor  # (LH, N, ROW_SUMS) the row pass' sums, columns as in ROW_SUMS
+    # (LH, 2, N) softmax1 = unas / (1 + t_i): [0] ln t_i (t_i = 1 / sum_j exp(s_ij)), [1] its column
+    # masses; None when softmax1 is not analysed (its other sums follow from unas', softmax1_sums)
+    s1: torch.Tensor | None = None
 
     @classmethod
-    def new(cls, LH: int, N: int, S: int, like: torch.Tensor) -> _FusedBuffers:
+    def new(cls, LH: int, N: int, S: int, like: torch.Tensor, softmax1: bool = False) -> _FusedBuffers:
         z = lambda *shape: like.new_zeros(*shape)  # noqa: E731
         return cls(alpha=z(LH, 3, N), beta=like.new_ones(LH, 3, N), cols=z(LH, 3, N),
-                   dn_rows=z(LH, N, 3 + 2 * S), sk_rows=z(LH, N, 2 + S), rows=z(LH, N, len(ROW_SUMS)))
+                   dn_rows=z(LH, N, 3 + 2 * S), sk_rows=z(LH, N, 2 + S), rows=z(LH, N, len(ROW_SUMS)),
+                   s1=z(LH, 2, N) if softmax1 else None)
 
 
 # Columns of the row pass' sums (attnlab/csrc/analysis_cpu.cpp computes the same): with E and s as
@@ -127,7 +132,7 @@ def variants_with_sums(q, k, scale, variants, u, iters, specials, use_kernel: bo
     u_maps = (q.new_full((LH,), u) if isinstance(u, float) else u.to(q.dtype).reshape(L, H).reshape(LH))
     js_variants = _js_variants(variants)
     clamp_hnas = bool((u_maps > 1.0 - 1e-6).any())  # hnas = dnas may underflow to 0: 0 ln 0 = 0
-    buf = _FusedBuffers.new(LH, N, S, q)
+    buf = _FusedBuffers.new(LH, N, S, q, softmax1="softmax1" in variants and sums)
     fallback = []  # (row, {variant: row sums}) of wide heads
     kernel = kernels.analysis_ops() if use_kernel else None
     spec_t = spec.t().contiguous()  # (S, N)
@@ -137,11 +142,20 @@ def variants_with_sums(q, k, scale, variants, u, iters, specials, use_kernel: bo
     workers = _WORKERS if _WORKERS is not None else torch.get_num_threads()
     if kernel is not None:  # every map in the CPU kernel (attnlab/csrc/analysis_cpu.cpp), a wide one in its
         # log-space path (analysis_wide.h) with the same buffer layout, on ``workers`` threads
-        maps = [out[v][:, 0].view(LH, N, N) if v in write else None
-                for v in ("unas", "dnas", "hnas", "sinkhorn")]
+        # softmax1's weights are unas' times 1 / (1 + t_i): the kernel writes unas' into its buffer
+        unas_out = out.get("unas", out.get("softmax1"))
+        maps = [None if unas_out is None else unas_out[:, 0].view(LH, N, N)]
+        maps += [out[v][:, 0].view(LH, N, N) if v in write else None for v in ("dnas", "hnas", "sinkhorn")]
+        s1 = buf.s1 if buf.s1 is not None or "softmax1" not in write else q.new_zeros(LH, 2, N)
         run_kernel(kernel, q[:, 0].reshape(LH, N, -1), k[:, 0].reshape(LH, N, -1),
                    [scale[row // H] for row in range(LH)], u_maps, spec_t, iters, maps,
-                   (buf.alpha, buf.beta, buf.cols, buf.dn_rows, buf.sk_rows, buf.rows), flags, workers)
+                   (buf.alpha, buf.beta, buf.cols, buf.dn_rows, buf.sk_rows, buf.rows), flags, workers,
+                   softmax1=s1)
+        if "softmax1" in write:  # r_i = 1 / (1 + t_i) = sigmoid(-ln t_i), per row
+            p1 = out["softmax1"][:, 0].view(LH, N, N)
+            if p1.data_ptr() != unas_out.data_ptr():
+                p1.copy_(unas_out[:, 0].view(LH, N, N))
+            p1.mul_(torch.sigmoid(-s1[:, 0])[..., None])
     else:
         span_bound = _span_bounds(q[:, 0], k[:, 0], torch.tensor(scale, dtype=q.dtype)[:, None])  # (L*H)
         _heads_torch(q, k, scale, u, variants, iters, spec, dist, ref, write, out, buf, span_bound, u_maps,
@@ -186,19 +200,20 @@ def flags_for(variants, write, sums: bool) -> tuple[bool, ...]:
 
 
 def run_kernel(kernel, q, k, scales: list[float], u_maps, spec_t, iters, maps, buffers, flags, workers: int,
-               v=None, out=None, analyse: bool = True) -> torch.Tensor:
+               v=None, out=None, analyse: bool = True, softmax1=None) -> torch.Tensor:
     """``kernel.heads`` (attnlab/csrc/analysis_cpu.cpp) on M maps: q, k (M, N, D); scales per map (the
     kernel bounds each map's score span itself and takes those that may be wide first);
     u_maps (M,); maps: the (M, N, N) weight outputs of unas, dnas, hnas, sinkhorn or None each;
     buffers: the (M, ...) rows of _FusedBuffers' alpha, beta, cols, dn_rows, sk_rows, rows; v, out
-    (M, N, Dv): unas' attention output into ``out`` (without ``analyse``: that alone). On ``workers``
-    torch threads. Returns bool (M,): linear heads."""
+    (M, N, Dv): unas' attention output into ``out`` (without ``analyse``: that alone); softmax1 (M, 2,
+    N) or None: ``_FusedBuffers.s1``. On ``workers`` torch threads. Returns bool (M,): linear heads."""
     previous = torch.get_num_threads()
     if workers != previous:
         torch.set_num_threads(workers)
     try:
         return kernel.heads(q, k, torch.tensor(scales, dtype=torch.float64), spec_t, iters, None,
-                            u_maps.double().contiguous(), None, *maps, *buffers, *flags, v, out, analyse)
+                            u_maps.double().contiguous(), None, *maps, *buffers, *flags, v, out, analyse,
+                            softmax1)
     finally:
         if workers != previous:
             torch.set_num_threads(previous)
@@ -238,8 +253,9 @@ def _heads_torch(q, k, scale, u, variants, iters, spec, dist, ref, write, out, b
             gmax = mu.max()
             if not (check_span and float(gmax - s.min()) > LINEAR_SPAN_MAX):
                 s.sub_(mu)  # s_ij - max_j s_ij in [-LINEAR_SPAN_MAX, 0]
+                row_max = mu.clone() if "softmax1" in views or buf.s1 is not None else None
                 rho = mu.sub_(gmax).exp_()  # (N, 1): exp(s - max over the head) = rho_i exp(s_ij - mu_i)
-                _head_linear(*scratch, rho, views, buf, row, u_h, settings)
+                _head_linear(*scratch, rho, views, buf, row, u_h, settings, row_max)
                 continue
             wide = _wide_head(q, k, scale, u, layer, h, views, variants, iters, spec, dist, ref)
             fallback.append((row, wide))
@@ -283,11 +299,13 @@ def _wide_head(q, k, scale, u, layer, h, views, variants, iters, spec, dist, ref
     return {v: {key: None if t is None else t[0] for key, t in r.items()} for v, r in sums.items()}
 
 
-def _head_linear(s, e, blocks, rho, views, buf: _FusedBuffers, row: int, u: float, cfg: _HeadSettings):
+def _head_linear(s, e, blocks, rho, views, buf: _FusedBuffers, row: int, u: float, cfg: _HeadSettings,
+                 row_max=None):
     """Weights of one head from its scores less their row maxima s (N, N) (in [-LINEAR_SPAN_MAX, 0]; rho
     (N, 1) = exp(row max - head max); e (N, N) and blocks (4, R, N) are scratch), and its products into
     ``buf`` row ``row``. Eq. numbers of "Attention that does not Explain Away": unas (1), dnas (5), sinkhorn
-    (10), hnas (12)."""
+    (10), hnas (12); softmax1 = unas / (1 + t_i), t_i = 1 / sum_j exp(s_ij) (row_max (N, 1): the row
+    maxima, when softmax1 is analysed or written)."""
     torch.exp(s, out=e)  # E_ij = exp(s_ij - max_j s_ij)
     alpha, beta = buf.alpha[row], buf.beta[row]  # (3, N) each
     b_d = beta[1]
@@ -298,6 +316,14 @@ def _head_linear(s, e, blocks, rho, views, buf: _FusedBuffers, row: int, u: floa
     torch.mm(e, w, out=dn)  # r_i = sum_j E_ij, R_i = sum_j E_ij beta_j, ...
     torch.reciprocal(dn[:, :2].t(), out=alpha[:2])  # alpha_u = 1 / r, alpha_d = 1 / R (dnas row step)
     torch.mm(alpha[:2], e, out=buf.cols[row, :2])  # unas column masses; dnas' before beta_d
+    if row_max is not None:  # softmax1: ln t_i = -mu_i - ln sum_j E_ij, weights unas * r_i, r = 1 / (1 + t)
+        lnt = row_max[:, 0].neg().sub_(dn[:, 0].log())  # (N,)
+        a1 = alpha[0] * torch.sigmoid(-lnt)  # (N,) softmax1's row factors
+        if buf.s1 is not None:
+            buf.s1[row, 0] = lnt
+            torch.mv(e.t(), a1, out=buf.s1[row, 1])
+        if "softmax1" in views:
+            torch.mul(e, a1[:, None], out=views["softmax1"])
     if "sinkhorn" in cfg.variants and cfg.iters > 1:
         b = buf.cols[row, 1].reciprocal()  # Sinkhorn's second column step (its first round is dnas)
         for _ in range(cfg.iters - 2):
@@ -344,6 +370,8 @@ def _rows_torch(s, e, blocks, views, sums, alpha, beta, u: float, cfg: _HeadSett
                 t.clamp_min_(math.log(torch.finfo(ph.dtype).tiny))
             torch.sum(t.mul_(ph), -1, out=out[:, _COL["h_xlogx"]])
         for v in cfg.js_variants:  # 2 JSD(v, unas) per row (every weight > 0 in a linear head)
+            if v == "softmax1":  # in closed form from unas' (softmax1_sums)
+                continue
             js2_rowsum(p[v], p["unas"], x, y, out=out[:, _COL["js2_" + v]], positive=True)
 
 
@@ -378,8 +406,12 @@ def _assemble_sums(buf: _FusedBuffers, variants, ref, u_maps, iters, S) -> dict:
             for key in ("cols", "rowsum", "distance", "special")
         }
         fact["hnas"]["entropy"] = -buf.rows[..., _COL["h_xlogx"]]
+    js2 = {v: buf.rows[..., _COL["js2_" + v]] for v in ("dnas", "hnas", "sinkhorn")}  # (LH, N) each
+    if "softmax1" in variants:
+        fact["softmax1"], js2["softmax1"] = softmax1_sums(fact["unas"], buf.s1[:, 0], buf.s1[:, 1])
     raw = {v: dict(fact[v], js=None) for v in variants}
     for v in variants:
         if ref is not None and v != ref:  # JSD in bits = (2 JSD in nats) / (2 ln 2); distance = sqrt
-            raw[v]["js"] = (buf.rows[..., _COL["js2_" + v]] / (2.0 * LN2)).clamp_(0.0, 1.0).sqrt_()
+            raw[v]["js"] = (js2[v] / (2.0 * LN2)).clamp_(0.0, 1.0).sqrt_()
     return raw
+

@@ -16,8 +16,11 @@ from attnlab.normalizers import functions as fn
 # The slots of the fused analysis (this module's linear/log layer passes and attnlab_hf.heads): the
 # normalizers whose math it implements, each computed into its slot. A variant takes it when its spec
 # declares ``hf_kernel`` (for its parameters) and its normalizer is one of these (:func:`fused_slot`);
-# any other takes the generic materialized path.
-FUSED_NORMALIZERS = {fn.unas: "unas", fn.dnas: "dnas", fn.hnas: "hnas", fn.sinkhorn: "sinkhorn"}
+# any other streams beside them (attnlab/hf/compute/mixed.py) or takes the generic materialized path.
+# softmax1 is unas scaled per row (a null key of score 0): its statistics follow from unas' in closed
+# form (attnlab/hf/compute/softmax1_sums.py) and the kernel's softmax1 output (ln t_i, column masses).
+FUSED_NORMALIZERS = {fn.unas: "unas", fn.dnas: "dnas", fn.hnas: "hnas", fn.sinkhorn: "sinkhorn",
+                     fn.softmax1: "softmax1"}
 KERNEL_VARIANTS = tuple(FUSED_NORMALIZERS.values())  # the slots, in the kernel's output order
 
 
@@ -56,7 +59,7 @@ def _variants_unmasked(q, k, scale, variants, u, iters) -> dict[str, torch.Tenso
     out = {v: q.new_empty(L, B, H, N, N) for v in variants}
     s, x = q.new_empty(B, H, N, N), q.new_empty(B, H, N, N)  # scores, scratch
     need_dnas = bool({"dnas", "hnas"} & set(variants)) or ("sinkhorn" in variants and iters == 1)
-    una = None if "unas" in out or "hnas" not in out else q.new_empty(B, H, N, N)
+    una = None if "unas" in out or not {"hnas", "softmax1"} & set(out) else q.new_empty(B, H, N, N)
     dna = None if "dnas" in out or not need_dnas else q.new_empty(B, H, N, N)
     for layer in range(L):
         ql, kl = q[layer], k[layer]  # (B, H, N, D)
@@ -66,6 +69,7 @@ def _variants_unmasked(q, k, scale, variants, u, iters) -> dict[str, torch.Tenso
             pd=out["dnas"][layer] if "dnas" in out else dna,
             ph=out["hnas"][layer] if "hnas" in out else None,
             ps=out["sinkhorn"][layer] if "sinkhorn" in out else None,
+            p1=out["softmax1"][layer] if "softmax1" in out else None,
             u=u if isinstance(u, float) else u[layer],
             iters=iters,
         )
@@ -86,23 +90,28 @@ def _heads_log(s, heads, targets) -> None:
     sub = {name: None if t is None else torch.empty_like(s) for name, t in targets.items() if name[0] == "p"}
     u = targets["u"]
     u = u if isinstance(u, float) else u.expand(*heads.shape, 1, 1)[heads][None]  # (1, n, 1, 1)
-    _layer_log(s, torch.empty_like(s), u=u, iters=targets["iters"], **sub)
+    _layer_log(s, torch.empty_like(s), u=u, iters=targets["iters"], **sub)  # (s consumed by nothing here)
     for name, t in sub.items():
         if t is not None:
             targets[name][heads] = t[0]
 
 
-def _layer_linear(s, pu, pd, ph, ps, u, iters) -> None:
+def _layer_linear(s, pu, pd, ph, ps, u, iters, p1=None) -> None:
     """One layer's variants from e = exp(s - max over the head) (consumes ``s``).
 
     unas = e_ij / sum_j e_ij (Eq. 1); dnas: gamma_ij = e_ij / sum_i e_ij, then rows normalized (Eq. 5);
     hnas = lerp(unas, dnas, u) (Eq. 12); sinkhorn (Eq. 10) keeps pi_ij = a_i e_ij b_j and alternates
     the column step b = 1 / (a^T e) and the row step a = 1 / (e b) -- matrix-vector products -- then
-    ends with a column step and a row normalization. Targets that are None are skipped.
+    ends with a column step and a row normalization; softmax1 = unas / (1 + t_i), t_i = 1 / sum_j
+    exp(s_ij) (a null key of score 0). Targets that are None are skipped (p1 needs pu).
     """
-    e = s.sub_(s.amax(dim=(-2, -1), keepdim=True)).exp_()  # (B, H, N, N), entries in [e^-60, 1]
+    top = s.amax(dim=(-2, -1), keepdim=True)  # (B, H, 1, 1)
+    e = s.sub_(top).exp_()  # (B, H, N, N), entries in [e^-60, 1]
     if pu is not None:
-        torch.div(e, e.sum(-1, keepdim=True), out=pu)
+        rows = e.sum(-1, keepdim=True)  # (B, H, N, 1)
+        torch.div(e, rows, out=pu)
+        if p1 is not None:  # t_i = exp(-top) / rows_i; exp overflows to inf: p1 = 0
+            torch.mul(pu, torch.div(rows, rows + torch.exp(-top)), out=p1)
     if pd is not None:
         torch.div(e, e.sum(-2, keepdim=True), out=pd)  # columns sum to 1
         pd.div_(pd.sum(-1, keepdim=True))  # then rows
@@ -122,15 +131,19 @@ def _layer_linear(s, pu, pd, ph, ps, u, iters) -> None:
     ps.div_(ps.sum(-1, keepdim=True))
 
 
-def _layer_log(s, x, pu, pd, ph, ps, u, iters) -> None:
+def _layer_log(s, x, pu, pd, ph, ps, u, iters, p1=None) -> None:
     """One layer's variants in log space, for heads with widely spread scores s (B, H, N, N).
 
     unas = softmax_j(s) (Eq. 1); dnas = softmax_j(s_ij - c_j), c_j = logsumexp_i s_ij (Eq. 5, DESIGN.md
     §2); hnas = lerp(unas, dnas, u) (Eq. 12); sinkhorn = softmax_j(s_ij - c_j) with the column
-    potentials after ``iters`` (column, row) rounds of logsumexp (Eq. 10). x is scratch like s.
+    potentials after ``iters`` (column, row) rounds of logsumexp (Eq. 10); softmax1 = exp(s_ij -
+    logaddexp(0, logsumexp_j s_ij)). x is scratch like s.
     """
     if pu is not None:
         torch.softmax(s, -1, out=pu)
+    if p1 is not None:
+        lse = torch.logsumexp(s, -1, keepdim=True)  # (B, H, N, 1)
+        torch.exp(torch.sub(s, torch.logaddexp(torch.zeros_like(lse), lse), out=x), out=p1)
     c = torch.logsumexp(s, -2, keepdim=True) if pd is not None or ps is not None else None  # (B, H, 1, N)
     if pd is not None:
         torch.softmax(torch.sub(s, c, out=x), -1, out=pd)
