@@ -374,3 +374,15 @@ def test_u_by_layer_averages_heads_and_gives_a_t_interval_over_runs(tmp_path, lm
     with pytest.raises(ValueError, match="at least one retrofit run"):
         u_by_layer([])
     assert summary_main([str(tmp_path / "nowhere")]) == 2
+
+
+def test_held_out_losses_match_the_logged_eval_loss(tmp_path, lm_dirs):
+    from attnlab.train.retrofit import held_out_losses
+
+    run = tmp_path / "run"
+    train_hf(_config(lm_dirs["bert"], steps=3), run, text=TEXT, progress=False)
+    losses = held_out_losses(run, text=TEXT)
+    recs = read_metrics(run / "metrics.jsonl")
+    assert losses["u=0.5 (start)"] == pytest.approx(recs[0]["eval_loss"], rel=1e-6)
+    assert losses["trained u"] == pytest.approx(recs[-1]["eval_loss"], rel=1e-6)
+    assert losses["u=0 (model)"] != pytest.approx(losses["u=1 (DNAS)"], rel=1e-4)

@@ -24,7 +24,8 @@ st.caption(
 
 sources = {f"{p.name} (shipped)": p for p in sorted(CHECKPOINTS.glob("*")) if (p / "metrics.jsonl").is_file()}
 sources |= {f"{r.name} (run, {r.status})": r.dir for r in runs.list_runs()}
-sources |= {f"{r.name} (retrofit, {r.status})": r.dir for r in runs.list_retrofit_runs()}
+sources |= {f"{r.dir.relative_to(runs.runs_dir())} (retrofit, {r.status})": r.dir
+            for r in runs.list_retrofit_runs()}
 options = [*sources, UPLOAD]
 choice = st.selectbox(
     "Run or checkpoint",

@@ -130,12 +130,13 @@ def _writing(run_dir: Path, logged: int, steps: int) -> bool:
 
 
 def list_retrofit_runs() -> list[Run]:
-    """Runs of ``attnlab train --recipe retrofit-hnas --out <runs dir>/NAME`` (their recipe.json's kind),
-    newest first: the Hybrid weights page shows their u."""
+    """Runs of ``attnlab train --recipe retrofit-hnas --out <runs dir>/NAME`` or ``<runs dir>/GROUP/NAME``
+    (their recipe.json's kind), newest first: the Hybrid weights page shows their u."""
     from attnlab.train.retrofit import is_retrofit_run
 
     root = runs_dir()
-    dirs = [p for p in root.glob("*") if is_retrofit_run(p)] if root.is_dir() else []
+    found = [*root.glob("*/recipe.json"), *root.glob("*/*/recipe.json")] if root.is_dir() else []
+    dirs = [p.parent for p in found if is_retrofit_run(p.parent)]
     return [inspect(p) for p in sorted(dirs, key=lambda p: p.stat().st_mtime, reverse=True)]
 
 

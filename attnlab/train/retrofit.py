@@ -24,7 +24,7 @@ from attnlab.train.hf_trainer import HFTrainResult, read_step, train_objective
 from attnlab.train.retrofit_config import HFRunConfig
 
 __all__ = ["RetrofitObjective", "train_hf", "load_retrofit", "retrofit_hybrid_weights", "is_retrofit_run",
-           "u_by_layer"]
+           "u_by_layer", "held_out_losses"]
 
 
 class RetrofitObjective:
@@ -124,9 +124,8 @@ def retrofit_hybrid_weights(run_dir: str | os.PathLike) -> tuple[torch.Tensor, i
     return torch.sigmoid(tensors["theta"].double()), int(meta.get("step", latest["step"]))
 
 
-def load_retrofit(run_dir: str | os.PathLike, device="cpu"):
-    """The HNASRetrofit of a run's latest checkpoint: its base model (loaded with its LM head from the
-    directory the checkpoint names) with the trained theta (and the trained rest, if any)."""
+def _load_run(run_dir, device="cpu"):
+    """(RetrofitObjective with the latest checkpoint's tensors, its LoadedModel, the run's config)."""
     from attnlab.hf.load.loading import load_language_model
 
     latest = read_latest(Path(run_dir))
@@ -134,10 +133,48 @@ def load_retrofit(run_dir: str | os.PathLike, device="cpu"):
         raise CheckpointError(f"{run_dir} has no checkpoint yet (no latest.json)")
     meta, tensors = read_step(Path(run_dir) / latest["dir"])
     config = HFRunConfig.from_file(Path(run_dir) / "recipe.json")
-    base = None if meta.get("base_embedded") else meta.get("base_model")
-    objective = RetrofitObjective(load_language_model(base, device=device), config, torch.device(device))
+    loaded = load_language_model(None if meta.get("base_embedded") else meta.get("base_model"), device=device)
+    objective = RetrofitObjective(loaded, config, torch.device(device))
     objective.load_tensors(tensors)
-    return objective.module
+    return objective, loaded, config
+
+
+def load_retrofit(run_dir: str | os.PathLike, device="cpu"):
+    """The HNASRetrofit of a run's latest checkpoint: its base model (loaded with its LM head from the
+    directory the checkpoint names) with the trained theta (and the trained rest, if any)."""
+    return _load_run(run_dir, device)[0].module
+
+
+@torch.no_grad()
+def held_out_losses(run_dir: str | os.PathLike, text: str | None = None) -> dict[str, float]:
+    """The run's held-out loss (nats per scored token; its eval batches: the same windows and masks as
+    ``eval_loss`` in metrics.jsonl) with u = 0 (the model's own attention), 0.5 (the start), 1 (DNAS)
+    in every head, and with the trained u. ``text`` replaces the run's corpus (tests)."""
+    from attnlab.data import load_corpus
+    from attnlab.train.hf_data import HFWindows
+
+    objective, loaded, config = _load_run(run_dir)
+    dc, tc, module = config.data, config.train, objective.module
+    corpus = text if text is not None else load_corpus(dc.corpus, dc.max_chars)
+    data = HFWindows(loaded.tokenizer, corpus, seq_len=dc.seq_len, causal=loaded.info.causal,
+                     vocab_size=len(loaded.tokenizer), mask_rate=dc.mask_rate, seed=tc.seed)
+    batches = data.eval_batches(tc.batch_size, tc.eval_batches)
+    trained = hybrid_weight_of(module)
+    out = {}
+    settings = (("u=0 (model)", 0.0), ("u=0.5 (start)", 0.5), ("u=1 (DNAS)", 1.0), ("trained u", trained))
+    for name, u in settings:
+        u = torch.full_like(trained, u) if isinstance(u, float) else u
+        total, count = 0.0, 0
+        for b in batches:
+            loss, n = module(b["input_ids"], b["labels"], u=u)
+            total, count = total + float(loss), count + n
+        out[name] = total / max(count, 1)
+    return out
+
+
+def hybrid_weight_of(module) -> torch.Tensor:
+    """(L, H) u = sigmoid(theta) of an HNASRetrofit, detached, on its device."""
+    return torch.sigmoid(module.theta.detach())
 
 
 def u_by_layer(run_dirs) -> list[dict]:
@@ -167,14 +204,19 @@ def u_by_layer(run_dirs) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m attnlab.train.retrofit RUN [RUN ...]``: u per layer over the runs (JSON lines)."""
+    """``python -m attnlab.train.retrofit [--losses] RUN [RUN ...]``: u per layer over the runs, and
+    with ``--losses`` each run's :func:`held_out_losses` (JSON lines)."""
     import json
     import sys
 
-    args = sys.argv[1:] if argv is None else argv
+    args = sys.argv[1:] if argv is None else list(argv)
+    losses = "--losses" in args
+    args = [a for a in args if a != "--losses"]
     try:
         for row in u_by_layer(args):
             print(json.dumps(row))
+        for run in args if losses else ():
+            print(json.dumps({"run": str(run), "held_out_loss": held_out_losses(run)}))
     except (ValueError, OSError, CheckpointError) as e:
         print(f"attnlab.train.retrofit: error: {e}", file=sys.stderr)
         return 2
