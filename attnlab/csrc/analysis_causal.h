@@ -5,7 +5,7 @@
 //
 //   causal_heads(q (H, N, D), k (H_kv, N, D), scale, softcap, window, u (H), spec_t (S, N),
 //                cols (3, H, N), rowsum (3, H, N), entropy (3, H, N), distance (3, H, N),
-//                special (3, H, N, S), js (2, H, N), v?, out?) -> redo (H,) bool
+//                special (3, H, N, S), js (2, H, N), v?, out?, softmax1?) -> redo (H,) bool
 //
 // Slots 0, 1, 2 = unas, dnas, hnas; js: twice the Jensen-Shannon divergence in nats of dnas and of
 // hnas to unas, per row. Query head h reads key head h / (H / H_kv) (grouped-query attention). Key j
@@ -13,7 +13,9 @@
 // window); softcap > 0 caps the scores: s <- softcap tanh(s / softcap). redo marks heads the caller
 // recomputes on its exact path: a non-finite score, or a row whose causal DNAS mass underflowed. With v
 // (H_kv, N, Dv) and out (N, H, Dv), also unas' attention output softmax(s) v, for the capture forward
-// (attnlab/hf/compute/causal_forward.py), from the exponentials while a block of rows is in L2.
+// (attnlab/hf/compute/causal_forward.py), from the exponentials while a block of rows is in L2. With
+// softmax1 (2, H, N): [0] ln t_i, t_i = 1 / sum_j exp(s_ij) over the visible keys, [1] the column masses
+// of softmax1 = p / (1 + t_i) (its other sums follow from unas', attnlab/hf/compute/softmax1_sums.py).
 //
 // Per head, rows in order (the column states make a head sequential; heads go to torch's threads):
 // a block of kRows rows' scores against the keys they see (BLAS, while in L2), then per row
@@ -65,6 +67,7 @@ struct CausalLayer {
   const float* v = nullptr;  // (H_kv, N, Dv): with out, unas' attention output diag(1 / Z) E v (Eq. 1 v)
   float* out = nullptr;      // row i of head h at out + i * ldo + h * Dv
   int64_t Dv = 0, ldo = 0;
+  float* s1 = nullptr;  // (2, H, N): softmax1's ln t_i and column masses, when asked for
 };
 
 // Head h of the layer; false when it has to be recomputed (see redo above).
@@ -76,7 +79,7 @@ inline bool causal_head(const CausalLayer& L, int64_t h) {
   const int64_t ldE = NP;  // a row of the block's exponentials: keys lo0 .. i1 - 1, then V spare lanes
   std::vector<float> block(kCausalRows * N), eblk(kCausalRows * ldE), pv(NP), lp(NP), zn(NP), m(N, -1e30f),
       z(N, 1.f), zrow(kCausalRows), ob(L.v ? kCausalRows * L.Dv : 0);
-  std::vector<float> cu(NP, 0.f), cd(NP, 0.f), ch(NP, 0.f), spec(S * NP, 0.f);
+  std::vector<float> cu(NP, 0.f), cd(NP, 0.f), ch(NP, 0.f), spec(S * NP, 0.f), c1(L.s1 ? NP : 0, 0.f);
   for (int64_t s = 0; s < S; ++s) std::copy(L.spec + s * N, L.spec + (s + 1) * N, spec.data() + s * NP);
   float lanes[64];
   for (int64_t l = 0; l < V; ++l) lanes[l] = float(l);
@@ -127,6 +130,8 @@ inline bool causal_head(const CausalLayer& L, int64_t h) {
       if (!(r > 1e-30f) || !std::isfinite(sx)) return false;
       zrow[i - i0] = zs;
       const float lz = std::log(zs), lr = std::log(r), iz = 1.f / zs, ir = 1.f / r;
+      const float lnt = -mx - lz;  // softmax1: ln t_i; its weights p / (1 + t_i)
+      const Vec vr1(L.s1 ? 1.f / (1.f + std::exp(lnt)) : 0.f);
       const Vec viz(iz), vir(ir), vlz(lz), vlr(lr), vmx(mx), vu(uh), vu1(1.f - uh), tiny(1e-37f);
       Vec rs_u(0.f), rs_d(0.f), rs_h(0.f), di_u(0.f), di_d(0.f), di_h(0.f), en_d(0.f), en_h(0.f), js_d(0.f),
           js_h(0.f);
@@ -142,6 +147,7 @@ inline bool causal_head(const CausalLayer& L, int64_t h) {
         (Vec::loadu(cu.data() + c) + p).store(cu.data() + c);
         (Vec::loadu(cd.data() + c) + pd).store(cd.data() + c);
         (Vec::loadu(ch.data() + c) + ph).store(ch.data() + c);
+        if (L.s1) at::vec::fmadd(p, vr1, Vec::loadu(c1.data() + c)).store(c1.data() + c);
         rs_u = rs_u + p, rs_d = rs_d + pd, rs_h = rs_h + ph;
         const Vec dist = Vec(base - float(j)) - lane;  // i - (lo + j + lane)
         di_u = at::vec::fmadd(p, dist, di_u), di_d = at::vec::fmadd(pd, dist, di_d);
@@ -165,6 +171,7 @@ inline bool causal_head(const CausalLayer& L, int64_t h) {
       out(L.entropy, 0)[i] = lz - sx * iz;  // -sum p ln p = ln Z - sum p (s - max)
       out(L.entropy, 1)[i] = -sum_of(en_d), out(L.entropy, 2)[i] = -sum_of(en_h);
       L.js[(0 * L.H + h) * N + i] = sum_of(js_d), L.js[(1 * L.H + h) * N + i] = sum_of(js_h);
+      if (L.s1) L.s1[h * N + i] = lnt;
       for (int64_t a = 0; a < 3; ++a)
         for (int64_t b = 0; b < S; ++b) L.special[((a * L.H + h) * N + i) * S + b] = sum_of(sp[a][b]);
     }
@@ -181,6 +188,7 @@ inline bool causal_head(const CausalLayer& L, int64_t h) {
   std::copy(cu.begin(), cu.begin() + N, out(L.cols, 0));
   std::copy(cd.begin(), cd.begin() + N, out(L.cols, 1));
   std::copy(ch.begin(), ch.begin() + N, out(L.cols, 2));
+  if (L.s1) std::copy(c1.begin(), c1.begin() + N, L.s1 + (L.H + h) * N);
   return true;
 }
 #else
@@ -190,7 +198,8 @@ constexpr bool kCausalHeads = false;
 at::Tensor causal_heads(const at::Tensor& q, const at::Tensor& k, double scale, double softcap, int64_t window,
                         const at::Tensor& u, const at::Tensor& spec_t, at::Tensor& cols, at::Tensor& rowsum,
                         at::Tensor& entropy, at::Tensor& distance, at::Tensor& special, at::Tensor& js,
-                        const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& out) {
+                        const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& out,
+                        const std::optional<at::Tensor>& softmax1) {
   TORCH_CHECK(kCausalHeads, "causal_heads: built without AVX-512 (the caller streams in PyTorch)");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
                   q.is_contiguous() && k.is_contiguous() && q.size(1) == k.size(1) && q.size(2) == k.size(2) &&
@@ -208,12 +217,16 @@ at::Tensor causal_heads(const at::Tensor& q, const at::Tensor& k, double scale, 
                 "causal_heads: outputs must be float32 (3, H, N), got ", t->sizes());
   TORCH_CHECK(special.sizes().equals({3, H, N, S}) && special.is_contiguous(), "causal_heads: special (3, H, N, S)");
   TORCH_CHECK(js.sizes().equals({2, H, N}) && js.is_contiguous(), "causal_heads: js (2, H, N)");
+  const bool with_s1 = softmax1.has_value() && softmax1->defined();
+  TORCH_CHECK(!with_s1 || (softmax1->sizes().equals({2, H, N}) && softmax1->is_contiguous() &&
+                           softmax1->scalar_type() == at::kFloat), "causal_heads: softmax1 float32 (2, H, N)");
   at::Tensor redo = at::zeros({H}, at::kBool);
 #if defined(CPU_CAPABILITY_AVX512)
   CausalLayer L{q.data_ptr<float>(), k.data_ptr<float>(), u.data_ptr<float>(), spec_t.data_ptr<float>(),
                 cols.data_ptr<float>(), rowsum.data_ptr<float>(), entropy.data_ptr<float>(),
                 distance.data_ptr<float>(), special.data_ptr<float>(), js.data_ptr<float>(),
                 H, H / k.size(0), N, q.size(2), S, float(scale), float(softcap), window};
+  if (with_s1) L.s1 = softmax1->data_ptr<float>();
   const bool attend = v.has_value() && v->defined();
   TORCH_CHECK(attend == (out.has_value() && out->defined()), "causal_heads: v and out go together");
   if (attend) {

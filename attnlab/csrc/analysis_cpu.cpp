@@ -482,7 +482,7 @@ TORCH_LIBRARY(attnlab_hf, m) {
         "Tensor(m!)? out=None, bool analyse=True, Tensor(n!)? softmax1=None) -> Tensor");
   m.def("causal_heads(Tensor q, Tensor k, float scale, float softcap, int window, Tensor u, Tensor spec_t, "
         "Tensor(a!) cols, Tensor(b!) rowsum, Tensor(c!) entropy, Tensor(d!) distance, Tensor(e!) special, "
-        "Tensor(f!) js, Tensor? v=None, Tensor(g!)? out=None) -> Tensor");
+        "Tensor(f!) js, Tensor? v=None, Tensor(g!)? out=None, Tensor(h!)? softmax1=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(attnlab_hf, CPU, m) {

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 import torch
 
+from attnlab.hf.compute.softmax1_sums import softmax1_sums
 from attnlab.hf.compute.tiles import LayerInputs, _layer_u
 from attnlab.normalizers import functions as fn
 from attnlab.normalizers import variant_spec
@@ -91,12 +92,15 @@ def causal_kernel():
 _USE_KERNEL = True  # tests switch it off to compare with the PyTorch tiles
 
 
-# The kernel's slots: unas, causal dnas (and one-round Sinkhorn, the same weights), hnas.
-_SLOT = {fn.unas: 0, fn.dnas: 1, fn.sinkhorn: 1, fn.hnas: 2}
+# The kernel's slots: unas, causal dnas (and one-round Sinkhorn, the same weights), hnas; softmax1 from its
+# optional softmax1 output and unas' sums (attnlab/hf/compute/softmax1_sums.py).
+SOFTMAX1 = "softmax1"
+_SLOT = {fn.unas: 0, fn.dnas: 1, fn.sinkhorn: 1, fn.hnas: 2, fn.softmax1: SOFTMAX1}
 
 
-def kernel_slots(variants, params, causal: bool) -> dict[str, int]:
-    """variant -> its slot in the causal kernel, for the variants it computes (at most one HNAS)."""
+def kernel_slots(variants, params, causal: bool) -> dict[str, int | str]:
+    """variant -> its slot in the causal kernel (0-2, or SOFTMAX1), for the variants it computes (at most
+    one HNAS)."""
     if not causal:
         return {}
     out, hnas = {}, 0
@@ -129,14 +133,26 @@ def kernel_layer(kernel, inputs: LayerInputs, layer: int, slots: Mapping[str, in
     spec_t = torch.zeros(0, N) if spec is None else spec.t().float().contiguous()
     cols, rowsum, entropy, distance = (torch.zeros(3, H, N) for _ in range(4))
     special, js = torch.zeros(3, H, N, S), torch.zeros(2, H, N)
+    s1 = torch.zeros(2, H, N) if SOFTMAX1 in slots.values() else None
     redo = kernel(q.contiguous(), k.contiguous(), float(inputs.scale), float(inputs.softcap or 0.0),
                   int(inputs.sliding_window or 0), u, spec_t, cols, rowsum, entropy, distance, special, js,
-                  v, out_attn)
+                  v, out_attn, s1)
     if bool(redo.any()):
         return False
     maps = slice(layer * H, (layer + 1) * H)
     for v, slot in slots.items():
         acc = out[v]
+        if slot == SOFTMAX1:  # unas scaled per row: its sums in closed form from unas'
+            unas = {"rowsum": rowsum[0], "entropy": entropy[0], "distance": distance[0],
+                    "special": special[0] if S else None}
+            fact, js2 = softmax1_sums(unas, s1[0], s1[1])
+            for key in ("cols", "rowsum", "entropy", "distance"):
+                acc[key][maps] = fact[key]
+            if acc["special"] is not None:
+                acc["special"][maps] = fact["special"]
+            if acc["js"] is not None:
+                acc["js"][maps] = js2.div(2.0 * LN2).clamp_(0.0, 1.0).sqrt_()
+            continue
         acc["cols"][maps] = cols[slot]
         acc["rowsum"][maps], acc["entropy"][maps] = rowsum[slot], entropy[slot]
         acc["distance"][maps] = distance[slot]
