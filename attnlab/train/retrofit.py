@@ -71,10 +71,6 @@ class RetrofitObjective:
         pass
 
 
-def _model_dir(config: HFRunConfig) -> str | None:
-    return None if config.base.model is None else str(Path(config.base.model).expanduser().resolve())
-
-
 def train_hf(config: HFRunConfig, run_dir, *, resume: bool = False, device: str | None = None,
              progress: bool = True, text: str | None = None, stop_after: int | None = None) -> HFTrainResult:
     """Train a ``retrofit-hnas`` or ``mlm-head`` configuration into ``run_dir``; ``base.model`` is the
@@ -83,8 +79,8 @@ def train_hf(config: HFRunConfig, run_dir, *, resume: bool = False, device: str 
     from attnlab.hf.load.loading import load_language_model, load_model
     from attnlab.hf.load.model_info import resolve_device
 
-    dev = resolve_device(device or "cpu")
-    model_dir = _model_dir(config)
+    dev = resolve_device(device or "auto", "--device")
+    model_dir = config.base.model
     if model_dir is not None and not Path(model_dir).is_dir():
         raise ValueError(f"--model (base.model) must be a model directory, got {config.base.model!r}, "
                          "which does not exist")

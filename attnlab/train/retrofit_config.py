@@ -26,7 +26,7 @@ HF_KINDS = ("retrofit-hnas", "mlm-head")  # recipe kinds that train on a pretrai
 
 @dataclass
 class BaseConfig:
-    model: str | None = None  # a save_pretrained directory (None: the embedded MiniLM); --model DIR
+    model: str | None = None  # a save_pretrained directory, made absolute (None: the embedded MiniLM)
     u0: float = 0.5  # retrofit: initial u of every head (theta_0 = logit(u0); 0.5 -> theta_0 = 0)
     train_rest: bool = False  # retrofit: also train the model's own weights (--train-rest)
     rest_lr: float = 1e-5  # retrofit with train_rest: peak learning rate of the model's own weights
@@ -35,6 +35,8 @@ class BaseConfig:
         s = "base"
         _check(s, self, "model", self.model is None or (isinstance(self.model, str) and self.model != ""),
                "null (the embedded MiniLM) or a model directory")
+        if self.model is not None:  # relative to the working directory, as --corpus; stored absolute
+            self.model = str(Path(self.model).expanduser().resolve())
         _check(s, self, "u0", isinstance(self.u0, (int, float)) and not isinstance(self.u0, bool)
                and 0.0 < self.u0 < 1.0, "a number in (0, 1)")
         _check(s, self, "train_rest", isinstance(self.train_rest, bool), "true or false")
