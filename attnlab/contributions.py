@@ -24,6 +24,7 @@ import torch
 from attnlab import stats
 from attnlab.normalizers.checks import check_number
 from attnlab.stats import check_eps
+from attnlab.stats._checks import is_lazy_maps
 
 __all__ = [
     "CONTRIBUTION_STATISTICS",
@@ -51,6 +52,8 @@ CONTRIBUTION_STATISTICS: dict[str, str] = {
 
 
 def _check(name: str, t, min_dim: int) -> torch.Tensor:
+    if is_lazy_maps(t):  # a causal window's HeadMaps: the whole (L, H, N, N), or a ValueError naming its size
+        t = t.materialize()
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() < min_dim:

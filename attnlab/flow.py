@@ -31,6 +31,7 @@ import torch
 
 from attnlab.normalizers.checks import scalar
 from attnlab.stats import check_weights
+from attnlab.stats._checks import is_lazy_maps, layer_head_means
 
 __all__ = ["CAPACITY_SCALE", "MAX_FLOW_WORK", "flow_work", "flow_capacities", "attention_flow"]
 
@@ -47,15 +48,26 @@ def flow_work(n_layers: int, n_tokens: int, n_outputs: int) -> float:
 
 def flow_capacities(weights: torch.Tensor, add_residual: bool = True) -> torch.Tensor:
     """A_l (L, N, N) float64: heads averaged (weights (L, H, N, N); (L, N, N) is taken as averaged),
-    0.5 W + 0.5 I with ``add_residual``, rows renormalized to 1 (empty rows stay 0)."""
-    w = check_weights("weights", weights, min_dim=3)
-    if w.dim() not in (3, 4) or w.shape[-1] != w.shape[-2]:
+    0.5 W + 0.5 I with ``add_residual``, rows renormalized to 1 (empty rows stay 0). A causal window's
+    lazy (L, H, N, N) (attnlab.hf.compute.head_maps.HeadMaps) is read one layer at a time."""
+    lazy = is_lazy_maps(weights)  # a causal window's HeadMaps: head-averaged one layer at a time
+    w = weights if lazy else check_weights("weights", weights, min_dim=3)
+    if len(w.shape) not in (3, 4) or w.shape[-1] != w.shape[-2]:
         raise ValueError(f"weights must be (L, H, N, N) or (L, N, N), got shape {tuple(w.shape)}")
-    if not w.numel():
+    if not w.shape.numel():
         raise ValueError(f"weights must hold at least one layer, head and token (L, H, N >= 1), got shape "
                          f"{tuple(w.shape)}")
-    a = w.double().cpu()
-    low = float(torch.nan_to_num(a, nan=0.0).min())  # one pass, on the host copy flow needs anyway
+    lows = []  # one pass, on the host copy flow needs anyway
+
+    def low_of(x: torch.Tensor) -> None:
+        lows.append(float(torch.nan_to_num(x, nan=0.0).min()))
+
+    if lazy:
+        a = layer_head_means(w, torch.float64, each=low_of)  # (L, N, N)
+    else:
+        a = w.double().cpu()
+        low_of(a)
+    low = min(lows)
     if low < 0:
         raise ValueError(f"weights must be >= 0 (attention weights), got a minimum of {low:.4g}")
     if a.dim() == 4:

@@ -284,3 +284,52 @@ def test_per_layer_figures_draw_one_curve_per_variant_and_measure():
         assert [t.name for t in traces[:2]] == names and len(traces) == 4
         assert list(traces[2].y) == pytest.approx([0.5, 0.6, 0.7])  # dnas, mean over heads per layer
         assert traces[0].line.color == traces[1].line.color != traces[2].line.color
+
+
+def _head_maps(w: torch.Tensor, reads: list | None = None):
+    """A causal window's lazy weights (HeadMaps) over the (L, H, N, N) tensor ``w``; ``reads`` logs
+    every (layer, head) computed."""
+    from attnlab.hf.compute.head_maps import HeadMaps
+
+    def head(layer, h):
+        if reads is not None:
+            reads.append((layer, h))
+        return w[layer, h].clone()
+
+    return HeadMaps("dnas", tuple(w.shape), head)
+
+
+def test_rollout_and_flow_read_head_maps_one_layer_at_a_time():
+    # a causal window's weights are HeadMaps (--flow once failed: "weights must be a torch.Tensor")
+    torch.manual_seed(0)
+    L, H, N = 3, 2, 6
+    w = torch.softmax(torch.randn(L, H, N, N), -1).tril()
+    w = w / w.sum(-1, keepdim=True)
+    reads = []
+    maps = _head_maps(w, reads)
+    mask = torch.rand(N, N) > 0.2
+    torch.testing.assert_close(stats.attention_rollout(maps), stats.attention_rollout(w))
+    torch.testing.assert_close(stats.attention_rollout(maps, mask=mask, all_layers=True),
+                               stats.attention_rollout(w, mask=mask, all_layers=True))
+    torch.testing.assert_close(flow.flow_capacities(maps), flow.flow_capacities(w))
+    torch.testing.assert_close(flow.attention_flow(maps, [0, 4]), flow.attention_flow(w, [0, 4]))
+    assert maps._whole is None and len(reads) == 4 * L * H  # per layer, never the whole (L, H, N, N)
+
+
+def test_whole_weight_measures_take_head_maps_up_to_the_materialize_limit(monkeypatch):
+    from attnlab.hf.compute import head_maps
+
+    torch.manual_seed(1)
+    w = torch.softmax(torch.randn(2, 2, 5, 5), -1)
+    norms = torch.rand(2, 2, 5)
+    torch.testing.assert_close(stats.column_mass(_head_maps(w)), stats.column_mass(w))
+    torch.testing.assert_close(contributions.contribution_mass(_head_maps(w), norms),
+                               contributions.contribution_mass(w, norms))
+    keys = sinks.sink_keys(5, which="first")
+    torch.testing.assert_close(sinks.sink_mass(_head_maps(w), keys), sinks.sink_mass(w, keys))
+    monkeypatch.setattr(head_maps, "MATERIALIZE_LIMIT", 64)
+    for measure in (lambda m: stats.column_mass(m), lambda m: contributions.contribution_mass(m, norms),
+                    lambda m: sinks.sink_mass(m, keys)):
+        with pytest.raises(ValueError, match=r"\(L, H, N, N\) = \(2, 2, 5, 5\).*over the 0 MiB limit"):
+            measure(_head_maps(w))
+    torch.testing.assert_close(stats.attention_rollout(_head_maps(w)), stats.attention_rollout(w))

@@ -149,3 +149,24 @@ def test_window_index_picks_the_window_flow_interventions_and_faithfulness_descr
     np.testing.assert_allclose(flows["dnas"], flow.attention_flow(window.weights["dnas"], [0, 2]).numpy())
     assert set(pd.read_csv(out / "interventions.csv").window) == {1}
     assert set(pd.read_csv(out / "faithfulness.csv").window) == {1}
+
+
+@pytest.mark.slow
+def test_flow_and_the_other_beyond_outputs_on_a_causal_model(tmp_path, capsys, tiny_model_dir):
+    # a causal window's weights are HeadMaps (computed per head on access): --flow once failed on them
+    # with "weights must be a torch.Tensor, got HeadMaps"
+    from attnlab import flow, hf
+
+    model = tiny_model_dir("gpt2")
+    out = tmp_path / "out"
+    rc, err = _run([_src(tmp_path), "--model", model, "--out", out, "--quiet", "--formats", "none",
+                    "--variants", "unas,dnas", "--flow", "--flow-outputs", "0,3", "--contributions", "--sinks",
+                    "--faithfulness"], capsys)
+    assert rc == 0, err
+    window = hf.stream_analysis(TEXT, hf.load_model(model), ("unas", "dnas")).window(0)
+    assert type(window.weights["dnas"]).__name__ == "HeadMaps"
+    flows = np.load(out / "flow.npz")
+    for v in ("unas", "dnas"):
+        whole = window.weights[v].materialize()  # (L, H, N, N) tensor
+        np.testing.assert_allclose(flows[v], flow.attention_flow(whole, [0, 3]).numpy())
+    assert set(pd.read_csv(out / "faithfulness.csv").variant) == {"unas", "dnas"}

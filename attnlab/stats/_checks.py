@@ -23,8 +23,18 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def is_lazy_maps(w) -> bool:
+    """Whether ``w`` is a lazy (L, H, N, N) of per-head maps (attnlab.hf.compute.head_maps.HeadMaps,
+    duck-typed: stats imports nothing from hf): ``w.layer(l)`` -> (H, N, N), ``w.materialize()``."""
+    return (not isinstance(w, torch.Tensor) and getattr(w, "streamed_window", False) is True
+            and callable(getattr(w, "layer", None)) and callable(getattr(w, "materialize", None)))
+
+
 def check_weights(name: str, w, min_dim: int = 2) -> torch.Tensor:
-    """A floating tensor of at least ``min_dim`` dims, in its work dtype."""
+    """A floating tensor of at least ``min_dim`` dims, in its work dtype. Lazy per-head maps
+    (:func:`is_lazy_maps`) are materialized, or refused with a ValueError naming their size."""
+    if is_lazy_maps(w):
+        w = w.materialize()
     if not isinstance(w, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(w).__name__}")
     if not w.is_floating_point():
@@ -34,6 +44,24 @@ def check_weights(name: str, w, min_dim: int = 2) -> torch.Tensor:
     if w.is_meta:
         raise ValueError(f"{name} must hold data (a CPU or CUDA tensor), got a meta tensor")
     return w.to(work_dtype(w.dtype))
+
+
+def layer_head_means(maps, dtype: torch.dtype, mask: torch.Tensor | None = None,
+                     each=None) -> torch.Tensor:
+    """(L, N, N) head-averaged maps of lazy (L, H, N, N) weights (:func:`is_lazy_maps`), read one
+    layer's (H, N, N) at a time (never the whole); ``mask`` (bool, broadcastable to (L, H, N, N)) zeroes
+    entries before the mean; ``each(layer_maps)`` sees every layer's (H, N, N) in ``dtype`` first."""
+    if mask is not None:
+        mask = check_bool("mask", mask, maps.shape, "the weights' shape").expand(maps.shape)
+    out = []
+    for layer in range(maps.shape[0]):
+        w = maps.layer(layer).to(dtype)  # (H, N, N)
+        if each is not None:
+            each(w)
+        if mask is not None:
+            w = torch.where(mask[layer], w, w.new_zeros(()))
+        out.append(w.mean(0))  # (N, N)
+    return torch.stack(out)  # (L, N, N)
 
 
 def check_bool(name: str, t, shape: torch.Size, what: str) -> torch.Tensor:

@@ -23,6 +23,8 @@ from attnlab.stats._checks import (
     check_weights,
     count,
     distance_matrix,
+    is_lazy_maps,
+    layer_head_means,
     masked,
     safe_div,
     share_below,
@@ -229,19 +231,24 @@ def attention_rollout(
 
     weights: (L, ..., N, N), L >= 1; when it has >= 4 dims the heads are dim -3 ((L, H, N, N) or
     (L, B, H, N, N)) and are averaged; (L, N, N) is taken as already head-averaged.
+    A causal window's lazy (L, H, N, N) (attnlab.hf.compute.head_maps.HeadMaps) is read one layer's
+    (H, N, N) at a time, never whole.
     mask: bool broadcastable to ``weights`` (e.g. (N, N) for every layer); masked entries are zeroed, so a
     padded token's row becomes the identity row (with the residual) and no NaN appears.
     Returns (..., N, N) without the head dim (R_ij: how much token j flows into position i at the
     top), or every layer's cumulative rollout (L, ..., N, N) with ``all_layers=True``.
     """
-    w = check_weights("weights", weights, min_dim=3)
+    lazy = is_lazy_maps(weights)  # a causal window's HeadMaps: head-averaged one layer at a time
+    w = weights if lazy else check_weights("weights", weights, min_dim=3)
     L, N = w.shape[0], w.shape[-1]
     if w.shape[-2] != N:
         raise ValueError(f"weights must be square (L, ..., N, N) maps, got shape {tuple(w.shape)}")
     if L == 0:
         raise ValueError(f"weights must hold at least one layer (dim 0), got shape {tuple(w.shape)}")
-    if w.dim() >= 4 and w.shape[-3] == 0:
+    if len(w.shape) >= 4 and w.shape[-3] == 0:
         raise ValueError(f"weights must hold at least one head (dim -3), got shape {tuple(w.shape)}")
+    if lazy:
+        w, mask = layer_head_means(weights, torch.float32, mask), None  # (L, N, N)
     if mask is not None:
         mask = check_bool("mask", mask, w.shape, "the weights' shape")
         w = torch.where(mask, w, w.new_zeros(()))
