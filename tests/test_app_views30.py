@@ -175,6 +175,19 @@ def test_neuron_view_on_grouped_query_model_reads_its_key_head(app_env, tmp_path
     assert "The model's mask keeps query 4" in messages(at)
 
 
+def test_neuron_view_on_a_model_captured_at_the_score_level_says_why_it_has_no_vectors(app_env, tmp_path):
+    """BLOOM's attention is captured as scores after its ALiBi bias, with no q and k vectors: the page
+    says so (naming the family) instead of drawing an identity key."""
+    from conftest import build_tiny_model
+
+    path = build_tiny_model("bloom", tmp_path / "bloom")
+    at = run_page(model="Local Hugging Face directory…", model_dir=str(path), neuron="1", focus="3")
+    assert not at.exception, [e.message for e in at.exception]
+    assert "Neuron view: " in messages(at) and "is a BLOOM model" in messages(at), messages(at)
+    assert "after the model's own biases" in messages(at)
+    assert "Score = Σ_d scale · q_d · k_d" not in " ".join(c.value for c in at.caption)
+
+
 # ----------------------------------------------------------------------------------------------
 # 13. Linked embeddings
 # ----------------------------------------------------------------------------------------------

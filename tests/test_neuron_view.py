@@ -14,9 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import ARCHITECTURES
 
 from attnlab import hf
-from attnlab.hf.analysis.query_key import layer_query_key
+from attnlab.hf.analysis.query_key import check_query_key_vectors, layer_query_key
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = "The cat sat on the mat because it was tired, and the dog watched it."
@@ -82,3 +83,19 @@ def test_bad_layer_and_gam_layer_are_refused(minilm):
     layers = [i for i, b in enumerate(gam.model.blocks) if b.is_gam]
     with pytest.raises(ValueError, match="GAM layer"):
         layer_query_key(gam, gam.tokenizer("a cat sat")["input_ids"], layers[0])
+
+
+@pytest.mark.parametrize("arch", [a.key for a in ARCHITECTURES if a.scores])
+def test_models_captured_at_the_score_level_are_refused_by_name(arch, tiny_model_dir):
+    # their captured "query" is the score matrix (after the model's own biases) and their "key" an
+    # identity: a neuron view of those would show meaningless vectors
+    from attnlab.hf.capture.score_adapters import adapter_for
+
+    model = hf.load_model(tiny_model_dir(arch))
+    family = adapter_for(model.model).family
+    ids = model.tokenizer("a cat sat")["input_ids"]
+    message = rf"is a {family} model: .*after the model's own biases.*no query and key"
+    for call in (lambda: layer_query_key(model, ids, 0), lambda: check_query_key_vectors(model)):
+        with pytest.raises(ValueError, match=message):
+            call()
+    check_query_key_vectors(hf.load_model(tiny_model_dir("gpt2")))  # the AttentionInterface path: q and k

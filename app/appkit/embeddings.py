@@ -22,6 +22,7 @@ from appkit.analysis import WindowView
 from appkit.sources import NativeModel, load
 from attnlab import hf
 from attnlab.figures import app_views
+from attnlab.hf.analysis.query_key import check_query_key_vectors
 
 _LOCK = threading.Lock()
 _STATE: dict = {"pool": None, "warm": None}
@@ -84,6 +85,7 @@ def _query_key(model, input_ids: torch.Tensor, layer: int) -> tuple[torch.Tensor
             model.model(input_ids)
             q, k = captured[layer].query_key()  # (B, H, N, D) each
     else:
+        check_query_key_vectors(model)  # MPNet, DeBERTa-v2, GPT-Neo, BLOOM, Falcon: scores, no q and k
         with model.lock, torch.no_grad():
             with hf.capture_qk(model.model, stop_after=layer + 1) as captured:
                 model.model(input_ids=input_ids, use_cache=False)

@@ -6,6 +6,10 @@ bertviz's neuron view draws): ``s_ij = scale · Σ_d q_id k_jd`` (docs/DESIGN.md
 The scores are the model's own: softmax over a row of :meth:`LayerQueryKey.scores` is that row of
 the UNAS map ``hf.analyze`` gives (tested to 1e-5). Grouped-query layers keep their H_kv key heads;
 query head h reads key head ``h // (H / H_kv)``.
+
+The families captured at the score level (attnlab/hf/capture/score_adapters.py: MPNet, DeBERTa-v2,
+GPT-Neo, BLOOM, Falcon) are refused (:func:`check_query_key_vectors`): what is captured there is the
+scores after the model's own biases (an identity stands in for the keys), with no q and k vectors.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LayerQueryKey", "layer_query_key", "query_keys"]
+__all__ = ["LayerQueryKey", "check_query_key_vectors", "layer_query_key", "query_keys"]
 
 
 @dataclass(frozen=True)
@@ -79,11 +83,32 @@ def _square_mask(mask: torch.Tensor | None, causal: bool, n: int) -> torch.Tenso
     return torch.broadcast_to(m, (*m.shape[:-2], n, n)).reshape(-1, n, n)[0].clone()
 
 
+def check_query_key_vectors(model) -> None:
+    """ValueError for a Hugging Face ``model`` (``hf.load_model``) captured at the score level
+    (attnlab/hf/capture/scores.py): its captured "query" is the score matrix after the model's own
+    biases and its "key" an identity, so per-dimension q and k vectors do not exist."""
+    from attnlab.hf.capture.score_adapters import adapter_for
+
+    adapter = adapter_for(getattr(model, "model", model))
+    if adapter is not None:
+        raise ValueError(_score_level_message(model, adapter.family, adapter.scores))
+
+
+def _score_level_message(model, family: str, scores: str | None = None) -> str:
+    what = f" ({scores})" if scores else ""
+    name = getattr(getattr(model, "info", None), "name", "this model")
+    return (f"{name} is a {family} model: its attention bypasses transformers' AttentionInterface, so "
+            f"attnlab captures the scores at the module's softmax{what}, after the model's own biases, "
+            "and no query and key vectors: there is no per-dimension q · k to show for it")
+
+
 def layer_query_key(model, input_ids, layer: int) -> LayerQueryKey:
     """Layer ``layer``'s queries and keys for ``input_ids`` ((N,) or (1, N): one model input, special
     tokens included, e.g. a window's ``input_ids``), from ``model`` (``hf.load_model`` or a native
     checkpoint, ``hf.load_native``). The forward stops after that layer's q and k (Hugging Face).
-    ValueError for a layer out of range, or a GAM layer (per-brain scores, no single q and k)."""
+    ValueError for a layer out of range, a GAM layer (per-brain scores, no single q and k), or a
+    model captured at the score level (MPNet, DeBERTa-v2, GPT-Neo, BLOOM, Falcon;
+    :func:`check_query_key_vectors`)."""
     return query_keys(model, input_ids, [layer])[layer]
 
 
@@ -123,10 +148,13 @@ def query_keys(model, input_ids, layers) -> dict[int, LayerQueryKey]:
                     _square_mask(c.mask, c.causal, N),
                 )
             return out
+        check_query_key_vectors(model)  # before the forward
         with capture_qk(model.model, stop_after=layers[-1] + 1) as captured:
             model.model(input_ids=ids, use_cache=False)
     for layer in layers:
         c = captured[layer]  # query (1, H, N, D), key_heads (1, H_kv, N, D)
+        if c.scores_of is not None:  # scores S (1, H, N, N) with identity keys (capture/scores.py)
+            raise ValueError(_score_level_message(model, c.scores_of))
         out[layer] = LayerQueryKey(
             layer,
             c.query[0].float().cpu(),
