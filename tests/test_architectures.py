@@ -397,6 +397,21 @@ def test_a_tokenizer_class_other_than_the_saved_one_is_noted(tmp_path, minilm):
     assert not [n for n in hf.analyze("The cat sat.", minilm, ["unas"]).notes if n.startswith("tokenizer:")]
 
 
+def test_load_language_model_keeps_the_tokenizer_class_note(tmp_path):
+    """hf.load_language_model returns hf.load_model's notes (the tokenizer-class note included)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+
+    tokenizer = AutoTokenizer.from_pretrained(hf.default_model_path(), local_files_only=True)
+    torch.manual_seed(0)
+    fields = dict(TINY_CONFIGS["qwen2"][1], hidden_size=32, intermediate_size=32)
+    config = Qwen2Config(vocab_size=len(tokenizer), **fields)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)  # with its LM head
+    tokenizer.save_pretrained(tmp_path)
+    base, lm = hf.load_model(tmp_path), hf.load_language_model(tmp_path)
+    noted = [n for n in lm.notes if n.startswith("tokenizer:")]
+    assert lm.notes == base.notes and len(noted) == 1 and "BertTokenizer" in noted[0]
+
+
 # ----------------------------------------------------------------------------------------------
 # Swap mode's attention functions: the keyword arguments transformers hands them
 # ----------------------------------------------------------------------------------------------

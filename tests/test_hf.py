@@ -269,6 +269,26 @@ def test_table_has_a_row_per_variant_layer_head_statistic(minilm):
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(("layout", "fields", "kv"), [
+    ("multi-query", dict(multi_query=True), 1),  # the tiny Falcon's (its config says num_kv_heads=4)
+    ("grouped", dict(new_decoder_architecture=True, num_kv_heads=2), 2),
+    ("per head", dict(multi_query=False), 4),
+])
+def test_falcon_key_value_heads_follow_its_layout(tmp_path, tiny_model_dir, layout, fields, kv):
+    from conftest import TINY_CONFIGS
+    from transformers import AutoModel, AutoTokenizer, FalconConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir("falcon"))
+    torch.manual_seed(0)
+    config = FalconConfig(vocab_size=len(tokenizer), **{**TINY_CONFIGS["falcon"][1], **fields})
+    AutoModel.from_config(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    info = hf.load_model(tmp_path).info
+    assert (info.n_heads, info.n_kv_heads) == (4, kv), layout
+    if layout == "multi-query":
+        assert hf.load_model(tiny_model_dir("falcon")).info.n_kv_heads == 1
+
+
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_tiny_model_loads_and_analyses_in_both_modes(tiny_model_dir, arch):
     loaded = hf.load_model(tiny_model_dir(arch))
@@ -578,7 +598,8 @@ def test_fused_path_handles_a_wide_head_and_matches_the_separate_computations():
 
 @pytest.mark.parametrize("N", [24, 64])  # 64: whole vectors, weights streamed to memory
 @pytest.mark.parametrize("variants", [KERNEL, ("unas", "hnas"), ("dnas", "sinkhorn"), ("hnas",),
-                                      ("softmax1",), ("softmax1", "unas")])
+                                      ("softmax1",), ("softmax1", "unas"), ("sparsemax",),
+                                      ("sparsemax", "unas", "softmax1")])
 @pytest.mark.parametrize("iters", [1, 2, 3])
 def test_kernel_and_pytorch_paths_agree(monkeypatch, variants, iters, N):
     """attnlab.hf's CPU kernel (attnlab/csrc/analysis_cpu.cpp: a whole head per call) and the PyTorch

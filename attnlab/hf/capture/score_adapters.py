@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ScoreAdapter", "ADAPTERS", "adapter_for", "attention_modules", "output_projection"]
+__all__ = ["ScoreAdapter", "ADAPTERS", "adapter_for", "attention_modules", "kv_heads", "output_projection"]
 
 
 def _plain(module, H: int, Dh: int) -> tuple[torch.Tensor, int]:
@@ -100,6 +100,14 @@ def adapter_for(model) -> ScoreAdapter | None:
         if model_type in adapter.model_types and attention_modules(model, adapter):
             return adapter
     return None
+
+
+def kv_heads(model, adapter: ScoreAdapter, n_heads: int) -> int:
+    """Key/value heads of ``adapter``'s family in ``model``, as its value layout declares them (Falcon:
+    1 multi-query, ``num_kv_heads`` grouped, H in its original layout); the captured keys (I_N) say
+    nothing of them."""
+    _, module = attention_modules(model, adapter)[0]
+    return adapter.value_columns(module, n_heads, 1)[1]  # (columns for Dh = 1, H_kv)
 
 
 def output_projection(modules: dict, name: str, adapter: ScoreAdapter) -> torch.nn.Module | None:

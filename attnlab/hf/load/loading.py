@@ -27,6 +27,7 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 
 from attnlab.checkpoint_io import is_checkpoint  # noqa: E402
 from attnlab.hf.capture.interface import UnsupportedModelError, capture_qk  # noqa: E402
+from attnlab.hf.capture.score_adapters import adapter_for, kv_heads  # noqa: E402
 from attnlab.hf.load.bounds import check_config_bounds  # noqa: E402
 from attnlab.hf.load.model_info import LoadedModel, ModelInfo, ModelLoadError, resolve_device  # noqa: E402
 from attnlab.schema import SchemaError, read_json  # noqa: E402
@@ -377,13 +378,22 @@ def _load(directory: Path, embedded: bool, device: torch.device) -> LoadedModel:
         architecture=type(model).__name__,
         n_layers=len(captured),
         n_heads=first.query.shape[1],
-        n_kv_heads=getattr(config, "num_key_value_heads", None) or first.query.shape[1],
+        n_kv_heads=_kv_heads(model, config, first),
         max_length=_max_length(config, tokenizer),
         causal=first.causal,
         embedded=embedded,
     )
     note = _tokenizer_note(directory, tokenizer, config.model_type)
     return LoadedModel(model=model, tokenizer=tokenizer, info=info, notes=(note,) if note else ())
+
+
+def _kv_heads(model, config, first) -> int:
+    """Key/value heads: a score-level family's (its declared value layout: multi-query Falcon has 1),
+    else the config's ``num_key_value_heads``, else the captured layer's key heads."""
+    adapter = adapter_for(model)
+    if adapter is not None:  # its captured "keys" are I_N (attnlab/hf/capture/scores.py)
+        return kv_heads(model, adapter, first.query.shape[1])
+    return getattr(config, "num_key_value_heads", None) or first.key_heads.shape[1]
 
 
 def _tokenizer_note(directory: Path, tokenizer, model_type: str) -> str | None:
