@@ -200,6 +200,30 @@ def test_faithfulness_table_and_literal_leave_one_out(sharp_dir):
     assert row.tau == pytest.approx(tau.statistic)
 
 
+def test_faithfulness_reads_value_paths_under_the_model_lock(tiny_model_dir, monkeypatch):
+    # a traced model's first value_paths runs a forward: it must hold loaded.lock as the other callers do
+    import threading
+
+    loaded = hf.load_model(tiny_model_dir("bert"))
+    held, real = [], fa.value_paths
+
+    def probe():  # another thread: the lock is free unless the caller holds it
+        free = loaded.lock.acquire(blocking=False)
+        if free:
+            loaded.lock.release()
+        held.append(not free)
+
+    def spy(model):
+        t = threading.Thread(target=probe)
+        t.start()
+        t.join()
+        return real(model)
+
+    monkeypatch.setattr(fa, "value_paths", spy)
+    fa.faithfulness(loaded, TEXT, ("unas",), measures=("contribution_mass",), batch_size=8)
+    assert held == [True]
+
+
 def test_faithfulness_bad_inputs(tiny_model_dir):
     loaded = hf.load_model(tiny_model_dir("bert"))
     with pytest.raises(ValueError, match="at least 2 tokens"):

@@ -173,10 +173,11 @@ def faithfulness(
             "(special tokens are not counted)"
         )
     params = dict(params or {})
-    paths = value_paths(loaded.model) if "contribution_mass" in measures else None
     importance, loo, notes = {}, {}, []
     rows = []
     with loaded.lock, torch.no_grad():
+        # under the lock, as every caller: a traced model's first call runs a forward of its own
+        paths = value_paths(loaded.model) if "contribution_mass" in measures else None
         for v in variants:
             kw = variant_kwargs(v, params.get(v), causal=loaded.info.causal)
             with (
