@@ -160,8 +160,8 @@ def test_flow_and_the_other_beyond_outputs_on_a_causal_model(tmp_path, capsys, t
     model = tiny_model_dir("gpt2")
     out = tmp_path / "out"
     rc, err = _run([_src(tmp_path), "--model", model, "--out", out, "--quiet", "--formats", "none",
-                    "--variants", "unas,dnas", "--flow", "--flow-outputs", "0,3", "--contributions", "--sinks",
-                    "--faithfulness"], capsys)
+                    "--variants", "unas,dnas", "--flow", "--flow-outputs", "0,3", "--contributions",
+                    "--sinks", "--faithfulness"], capsys)
     assert rc == 0, err
     window = hf.stream_analysis(TEXT, hf.load_model(model), ("unas", "dnas")).window(0)
     assert type(window.weights["dnas"]).__name__ == "HeadMaps"
