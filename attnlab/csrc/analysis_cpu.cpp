@@ -2,7 +2,7 @@
 //
 //   heads(q, k, scale, spec_t, iters, check_span, u, order, pu?, pd?, ph?, ps?, alpha, beta, cols,
 //         dn_rows, sk_rows, stats, js_dnas, js_hnas, js_sinkhorn, hnas, sinkhorn, v?, out?, analyse,
-//         softmax1?) -> linear
+//         softmax1?, sparsemax?) -> linear
 //
 // M maps (every layer's heads of a window) stacked along a first dimension, on torch's intra-op
 // threads, one head per thread at a time (`heads` at the end of this file). Per map, as below.
@@ -31,6 +31,8 @@
 //   softmax1 (2, N)      optional: ln t_i (t_i = 1 / sum_j exp(s_ij), the null key's odds) and the column
 //                        masses of softmax1 = p_u / (1 + t_i) (attnlab/hf/compute/fused_sums.py derives
 //                        its other sums from unas': every one is unas' times r_i, or closed-form in r_i)
+//   sparsemax (5 + S, N) optional: its column masses and per row its sum, sum p ln p, distance, 2 JSD to
+//                        unas and special masses, from the row's support (analysis_sparsemax.h)
 //   stats (N, 10)        0-2 sum_j E_ij s_ij beta_cj (c = unas, dnas, sinkhorn), 3-5 the same with
 //                        |i - j| for s, 6 sum_j h ln h of the hnas weights (0 ln 0 = 0), 7-9 for
 //                        p = dnas, hnas, sinkhorn and q = unas weights: sum_j p log1p(d) + q log1p(-d),
@@ -53,6 +55,7 @@
 // reads a table of chi(ln x) (analysis_vec.h).
 #include "analysis_causal.h"
 #include "analysis_head.h"
+#include "analysis_sparsemax.h"
 #include "analysis_wide.h"
 #include "kernel_common.h"
 #include "tiles.h"
@@ -235,9 +238,16 @@ void row_pass(Head& h, bool sinkhorn_final) {
   const bool st_u = h.pu && whole && aligned(h.pu), st_d = h.pd && whole && aligned(h.pd);
   const bool st_h = h.ph && whole && aligned(h.ph), st_s = h.ps && whole && aligned(h.ps);
   const int64_t n_vec = N - N % Vec::size();
+  std::vector<int32_t> cand;
+  if (h.sm) {
+    cand.reserve(N);
+    std::fill(h.sm, h.sm + N, 0.f);  // sparsemax's column masses
+  }
   for (int64_t i = 0; i < N; ++i) {
     const float* er = h.e + i * N;
     const float* sr = h.s + i * N;
+    if (h.sm)  // from its support, among the keys within 1 of the row maximum
+      sparsemax_row(i, N, S, sr, er, h.alpha[i], h.spec_t, h.sm, cand);
     if (sinkhorn_final) {  // the last row step normalizes the rows
       float* kr = h.sk + i * W2;
       dots(er, w.data(), 2 + S, N, kr);
@@ -392,7 +402,7 @@ at::Tensor heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& sca
                  const at::Tensor& beta, const at::Tensor& cols, const at::Tensor& dn_rows, const at::Tensor& sk_rows,
                  const at::Tensor& stats, bool js_dnas, bool js_hnas, bool js_sinkhorn, bool hnas, bool sinkhorn,
                  const c10::optional<at::Tensor>& v, const c10::optional<at::Tensor>& out, bool analyse,
-                 const c10::optional<at::Tensor>& softmax1) {
+                 const c10::optional<at::Tensor>& softmax1, const c10::optional<at::Tensor>& sparsemax) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes().equals(q.sizes()) && q.scalar_type() == at::kFloat &&
                   k.scalar_type() == at::kFloat,
               "heads: q and k must be float32 (M, N, D) of one shape, got ", q.sizes(), " and ", k.sizes());
@@ -425,6 +435,8 @@ at::Tensor heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& sca
   TORCH_CHECK(!js_hnas || want_h, "heads: js_hnas needs hnas");
   const bool with_s1 = softmax1.has_value() && softmax1->defined();
   if (with_s1) check(*softmax1, {M, 2, N}, at::kFloat, "softmax1");
+  const bool with_sm = sparsemax.has_value() && sparsemax->defined();
+  if (with_sm) check(*sparsemax, {M, kSparsemaxRows + S, N}, at::kFloat, "sparsemax");
   const double* sc = scale.data_ptr<double>();
   std::vector<int64_t> ord(M);
   std::vector<char> chk(M);
@@ -460,6 +472,7 @@ at::Tensor heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& sca
              spec_t.data_ptr<float>(), at_map(w_u, NN), at_map(w_d, NN), at_map(w_h, NN), at_map(w_s, NN),
              float(uu[m]), js_dnas, js_hnas, js_sinkhorn, want_h};
       if (with_s1) h.s1 = softmax1->data_ptr<float>() + m * 2 * N;
+      if (with_sm) h.sm = sparsemax->data_ptr<float>() + m * (kSparsemaxRows + S) * N;
       if (attend) {
         h.v = v->data_ptr<float>() + m * v->stride(0), h.ldv = v->stride(1), h.Dv = v->size(2);
         h.out = out->data_ptr<float>() + m * out->stride(0), h.ldo = out->stride(1);
@@ -479,7 +492,8 @@ TORCH_LIBRARY(attnlab_hf, m) {
         "Tensor? order, Tensor(a!)? pu, Tensor(b!)? pd, Tensor(c!)? ph, Tensor(d!)? ps, Tensor(e!) alpha, "
         "Tensor(f!) beta, Tensor(g!) cols, Tensor(h!) dn_rows, Tensor(i!) sk_rows, Tensor(j!) stats, "
         "bool js_dnas, bool js_hnas, bool js_sinkhorn, bool hnas, bool sinkhorn, Tensor? v=None, "
-        "Tensor(m!)? out=None, bool analyse=True, Tensor(n!)? softmax1=None) -> Tensor");
+        "Tensor(m!)? out=None, bool analyse=True, Tensor(n!)? softmax1=None, Tensor(o!)? sparsemax=None) "
+        "-> Tensor");
   m.def("causal_heads(Tensor q, Tensor k, float scale, float softcap, int window, Tensor u, Tensor spec_t, "
         "Tensor(a!) cols, Tensor(b!) rowsum, Tensor(c!) entropy, Tensor(d!) distance, Tensor(e!) special, "
         "Tensor(f!) js, Tensor? v=None, Tensor(g!)? out=None, Tensor(h!)? softmax1=None) -> Tensor");

@@ -22,6 +22,8 @@ struct Head {
   // (2, N) softmax1 (exp(s_ij) / (1 + sum_j exp(s_ij)) = r_i p_u,ij): [0] ln t_i, t_i = 1 / sum_j exp(s_ij)
   // (so r_i = 1 / (1 + t_i)), [1] its column masses sum_i r_i p_u,ij; nullptr: not asked for
   float* s1 = nullptr;
+  // (5 + S, N) sparsemax's sums from its support (analysis_sparsemax.h); nullptr: not asked for
+  float* sm = nullptr;
 };
 
 }  // namespace

@@ -15,6 +15,7 @@
 // stats 0-2 sum_j p ln p, 3-5 sum_j p |i - j|, 6 sum_j h ln h, 7-9 twice the Jensen-Shannon divergences.
 #pragma once
 #include "analysis_head.h"
+#include "analysis_sparsemax.h"
 #include "kernel_common.h"
 
 #include <vector>
@@ -114,6 +115,8 @@ void wide_head(Head& h, const float* mu, int64_t iters, bool sinkhorn) {
   std::fill(h.beta, h.beta + 3 * N, 1.f);
   std::fill(h.cols, h.cols + 3 * N, 0.f);
   if (h.s1) std::fill(h.s1 + N, h.s1 + 2 * N, 0.f);
+  std::vector<int32_t> cand;
+  if (h.sm) std::fill(h.sm, h.sm + N, 0.f);
   std::vector<const float*> spec(S);
   for (int64_t c = 0; c < S; ++c) spec[c] = h.spec_t + c * N;
   for (int64_t i = 0; i < N; ++i) {
@@ -121,6 +124,7 @@ void wide_head(Head& h, const float* mu, int64_t iters, bool sinkhorn) {
     const float* er = h.e + i * N;
     float* dn = h.dn + i * W;
     const float inv_u = 1.f / dn[0], ln_u = std::log(dn[0]);
+    if (h.sm) sparsemax_row(i, N, S, sr, er, inv_u, h.spec_t, h.sm, cand);
     const float rd = row_lse(sr, cd.data(), N), rs = rounds ? row_lse(sr, cs.data(), N) : rd;
     for (int64_t j = 0; j < N; ++j) {  // vectorized by the compiler (exp_nonpos is branch-free)
       lu[j] = sr[j] - ln_u;

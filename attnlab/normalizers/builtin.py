@@ -69,6 +69,7 @@ register_variant(
 )
 register_variant(
     "sparsemax", fn.sparsemax, label="sparsemax", builtin=True,
+    hf_kernel=True,  # its statistics from each row's support, in the analysis kernel's row pass
     summary="Euclidean projection of each row onto the simplex: exact zeros",
     reference="Martins & Astudillo 2016, Eq. 2",
 )

@@ -51,7 +51,8 @@ class LayerwiseAnalysis:
         self.with_sums = specials is not None
         # every map's rows with the sums; without, one layer's, as the kernel's scratch
         self.buf = _FusedBuffers.new(L * H if self.with_sums else H, N, self.S, torch.zeros(()),
-                                     softmax1=self.with_sums and "softmax1" in self.slots)
+                                     softmax1=self.with_sums and "softmax1" in self.slots,
+                                     sparsemax=self.with_sums and "sparsemax" in self.slots)
         self.flags = flags_for(self.slots, (), True)
         self.done = 0  # layers analysed, in order
         self.active = True  # False once a layer ran the model's own attention
@@ -91,7 +92,8 @@ class LayerwiseAnalysis:
                                            self.buf.sk_rows, self.buf.rows)),
                    self.flags, self.workers, None if last else value[0],
                    None if last else out[0].transpose(0, 1), analyse=self.with_sums,
-                   softmax1=None if self.buf.s1 is None else self.buf.s1[rows])
+                   softmax1=None if self.buf.s1 is None else self.buf.s1[rows],
+                   sparsemax=None if self.buf.sm is None else self.buf.sm[rows])
         return out
 
     def sums(self) -> dict | None:

@@ -15,6 +15,7 @@ import torch
 from attnlab.hf.compute.layers import LINEAR_SPAN_MAX, _check_kernel_variants, _variants_unmasked
 from attnlab.hf.compute.pool import _POOL
 from attnlab.hf.compute.softmax1_sums import softmax1_sums
+from attnlab.hf.compute.sparsemax_slot import sparsemax_head, sparsemax_sums, sparsemax_weights
 from attnlab.stats import distance_matrix
 from attnlab.stats.divergence import js2_rowsum
 from attnlab.stats.engine import row_sums_dict
@@ -64,13 +65,17 @@ class _FusedBuffers:
     # (LH, 2, N) softmax1 = unas / (1 + t_i): [0] ln t_i (t_i = 1 / sum_j exp(s_ij)), [1] its column
     # masses; None when softmax1 is not analysed (its other sums follow from unas', softmax1_sums)
     s1: torch.Tensor | None = None
+    # (LH, 5 + S, N) sparsemax's sums from each row's support (attnlab/csrc/analysis_sparsemax.h): [0] the
+    # column masses, per row [1] sum p, [2] sum p ln p, [3] sum p |i - j|, [4] 2 JSD to unas, [5:] specials
+    sm: torch.Tensor | None = None
 
     @classmethod
-    def new(cls, LH: int, N: int, S: int, like: torch.Tensor, softmax1: bool = False) -> _FusedBuffers:
+    def new(cls, LH: int, N: int, S: int, like: torch.Tensor, softmax1: bool = False,
+            sparsemax: bool = False) -> _FusedBuffers:
         z = lambda *shape: like.new_zeros(*shape)  # noqa: E731
         return cls(alpha=z(LH, 3, N), beta=like.new_ones(LH, 3, N), cols=z(LH, 3, N),
                    dn_rows=z(LH, N, 3 + 2 * S), sk_rows=z(LH, N, 2 + S), rows=z(LH, N, len(ROW_SUMS)),
-                   s1=z(LH, 2, N) if softmax1 else None)
+                   s1=z(LH, 2, N) if softmax1 else None, sm=z(LH, 5 + S, N) if sparsemax else None)
 
 
 # Columns of the row pass' sums (attnlab/csrc/analysis_cpu.cpp computes the same): with E and s as
@@ -132,7 +137,8 @@ def variants_with_sums(q, k, scale, variants, u, iters, specials, use_kernel: bo
     u_maps = (q.new_full((LH,), u) if isinstance(u, float) else u.to(q.dtype).reshape(L, H).reshape(LH))
     js_variants = _js_variants(variants)
     clamp_hnas = bool((u_maps > 1.0 - 1e-6).any())  # hnas = dnas may underflow to 0: 0 ln 0 = 0
-    buf = _FusedBuffers.new(LH, N, S, q, softmax1="softmax1" in variants and sums)
+    buf = _FusedBuffers.new(LH, N, S, q, softmax1="softmax1" in variants and sums,
+                            sparsemax="sparsemax" in variants and sums)
     fallback = []  # (row, {variant: row sums}) of wide heads
     kernel = kernels.analysis_ops() if use_kernel else None
     spec_t = spec.t().contiguous()  # (S, N)
@@ -150,12 +156,14 @@ def variants_with_sums(q, k, scale, variants, u, iters, specials, use_kernel: bo
         run_kernel(kernel, q[:, 0].reshape(LH, N, -1), k[:, 0].reshape(LH, N, -1),
                    [scale[row // H] for row in range(LH)], u_maps, spec_t, iters, maps,
                    (buf.alpha, buf.beta, buf.cols, buf.dn_rows, buf.sk_rows, buf.rows), flags, workers,
-                   softmax1=s1)
+                   softmax1=s1, sparsemax=buf.sm)
         if "softmax1" in write:  # r_i = 1 / (1 + t_i) = sigmoid(-ln t_i), per row
             p1 = out["softmax1"][:, 0].view(LH, N, N)
             if p1.data_ptr() != unas_out.data_ptr():
                 p1.copy_(unas_out[:, 0].view(LH, N, N))
             p1.mul_(torch.sigmoid(-s1[:, 0])[..., None])
+        if "sparsemax" in write:  # its reference function on the scores (the generic path's values)
+            sparsemax_weights(q, k, scale, out["sparsemax"])
     else:
         span_bound = _span_bounds(q[:, 0], k[:, 0], torch.tensor(scale, dtype=q.dtype)[:, None])  # (L*H)
         _heads_torch(q, k, scale, u, variants, iters, spec, dist, ref, write, out, buf, span_bound, u_maps,
@@ -200,7 +208,7 @@ def flags_for(variants, write, sums: bool) -> tuple[bool, ...]:
 
 
 def run_kernel(kernel, q, k, scales: list[float], u_maps, spec_t, iters, maps, buffers, flags, workers: int,
-               v=None, out=None, analyse: bool = True, softmax1=None) -> torch.Tensor:
+               v=None, out=None, analyse: bool = True, softmax1=None, sparsemax=None) -> torch.Tensor:
     """``kernel.heads`` (attnlab/csrc/analysis_cpu.cpp) on M maps: q, k (M, N, D); scales per map (the
     kernel bounds each map's score span itself and takes those that may be wide first);
     u_maps (M,); maps: the (M, N, N) weight outputs of unas, dnas, hnas, sinkhorn or None each;
@@ -213,7 +221,7 @@ def run_kernel(kernel, q, k, scales: list[float], u_maps, spec_t, iters, maps, b
     try:
         return kernel.heads(q, k, torch.tensor(scales, dtype=torch.float64), spec_t, iters, None,
                             u_maps.double().contiguous(), None, *maps, *buffers, *flags, v, out, analyse,
-                            softmax1)
+                            softmax1, sparsemax)
     finally:
         if workers != previous:
             torch.set_num_threads(previous)
@@ -324,6 +332,8 @@ def _head_linear(s, e, blocks, rho, views, buf: _FusedBuffers, row: int, u: floa
             torch.mv(e.t(), a1, out=buf.s1[row, 1])
         if "softmax1" in views:
             torch.mul(e, a1[:, None], out=views["softmax1"])
+    if buf.sm is not None or "sparsemax" in views:  # sparsemax of s - max (shift-invariant), its sums
+        sparsemax_head(s, e, alpha[0], views, buf.sm, row, cfg.spec, cfg.dist)
     if "sinkhorn" in cfg.variants and cfg.iters > 1:
         b = buf.cols[row, 1].reciprocal()  # Sinkhorn's second column step (its first round is dnas)
         for _ in range(cfg.iters - 2):
@@ -370,7 +380,7 @@ def _rows_torch(s, e, blocks, views, sums, alpha, beta, u: float, cfg: _HeadSett
                 t.clamp_min_(math.log(torch.finfo(ph.dtype).tiny))
             torch.sum(t.mul_(ph), -1, out=out[:, _COL["h_xlogx"]])
         for v in cfg.js_variants:  # 2 JSD(v, unas) per row (every weight > 0 in a linear head)
-            if v == "softmax1":  # in closed form from unas' (softmax1_sums)
+            if v in ("softmax1", "sparsemax"):  # in closed form from unas' (softmax1_sums); from its support
                 continue
             js2_rowsum(p[v], p["unas"], x, y, out=out[:, _COL["js2_" + v]], positive=True)
 
@@ -409,6 +419,8 @@ def _assemble_sums(buf: _FusedBuffers, variants, ref, u_maps, iters, S) -> dict:
     js2 = {v: buf.rows[..., _COL["js2_" + v]] for v in ("dnas", "hnas", "sinkhorn")}  # (LH, N) each
     if "softmax1" in variants:
         fact["softmax1"], js2["softmax1"] = softmax1_sums(fact["unas"], buf.s1[:, 0], buf.s1[:, 1])
+    if "sparsemax" in variants:
+        fact["sparsemax"], js2["sparsemax"] = sparsemax_sums(buf.sm)
     raw = {v: dict(fact[v], js=None) for v in variants}
     for v in variants:
         if ref is not None and v != ref:  # JSD in bits = (2 JSD in nats) / (2 ln 2); distance = sqrt

@@ -20,7 +20,7 @@ from attnlab.normalizers import functions as fn
 # softmax1 is unas scaled per row (a null key of score 0): its statistics follow from unas' in closed
 # form (attnlab/hf/compute/softmax1_sums.py) and the kernel's softmax1 output (ln t_i, column masses).
 FUSED_NORMALIZERS = {fn.unas: "unas", fn.dnas: "dnas", fn.hnas: "hnas", fn.sinkhorn: "sinkhorn",
-                     fn.softmax1: "softmax1"}
+                     fn.softmax1: "softmax1", fn.sparsemax: "sparsemax"}
 KERNEL_VARIANTS = tuple(FUSED_NORMALIZERS.values())  # the slots, in the kernel's output order
 
 
@@ -64,6 +64,8 @@ def _variants_unmasked(q, k, scale, variants, u, iters) -> dict[str, torch.Tenso
     for layer in range(L):
         ql, kl = q[layer], k[layer]  # (B, H, N, D)
         torch.matmul(ql, kl.transpose(-1, -2), out=s).mul_(scale[layer])  # (B, H, N, N)
+        if "sparsemax" in out:  # its reference function on the scores, before they are consumed
+            out["sparsemax"][layer] = fn_sparsemax_weights(s)
         targets = dict(
             pu=out["unas"][layer] if "unas" in out else una,
             pd=out["dnas"][layer] if "dnas" in out else dna,
@@ -83,6 +85,13 @@ def _variants_unmasked(q, k, scale, variants, u, iters) -> dict[str, torch.Tenso
             _layer_linear(s, **targets)
             _heads_log(s_wide, wide, targets)
     return out
+
+
+def fn_sparsemax_weights(s: torch.Tensor) -> torch.Tensor:
+    """sparsemax (Martins & Astudillo 2016, Eq. 2) of unmasked scores (..., N, N), by attention_weights."""
+    from attnlab.normalizers import attention_weights
+
+    return attention_weights(s, "sparsemax")
 
 
 def _heads_log(s, heads, targets) -> None:
