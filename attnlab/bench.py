@@ -240,6 +240,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="swap-eval: a MiniLM-sized masked (bert) or causal (gpt2) LM")
     parser.add_argument("--variants", default="dnas", help="swap-eval: comma-separated variants swapped in")
     parser.add_argument("--docs", type=int, default=100, help="swap-eval: documents of 512 tokens")
+    parser.add_argument("--variant-costs", action="store_true",
+                        help="analysis: each variant's cost on one MiniLM window against unas' share")
     parser.add_argument("--memory-tokens", default="100000,1000000", help="corpus: tokens of the RSS runs")
     parser.add_argument("--memory-model", default="tiny",
                         help="corpus: RSS runs model: tiny (2-layer BERT, default), minilm or a directory")
@@ -271,6 +273,11 @@ def run(args: argparse.Namespace) -> int:
 
         sizes = tuple(int(s) for s in args.sizes.split(",")) if args.sizes_given else (512, 2048, 8192)
         res = benchmark_causal(args.causal, sizes, repeats=args.repeats, memory=not args.no_memory)
+    elif args.what == "analysis" and args.variant_costs:
+        from attnlab.hf.analysis.benchmark import variant_costs
+
+        res = variant_costs(repeats=args.repeats)
+        print(json.dumps(res, indent=2))
     elif args.what == "analysis":
         from attnlab.hf import benchmark_analysis
 

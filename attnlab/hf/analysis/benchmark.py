@@ -2,6 +2,8 @@
 
 Warm analysis of 512 tokens of English with MiniLM (all four variants, every statistic) against the
 model's own plain forward on the same tokens, measured in one run, interleaved, medians.
+``variant_costs`` (``python -m attnlab.bench analysis --variant-costs``): what each variant adds to the
+analysis of one window, against unas' own share (issue 32: softmax1 and sparsemax <= 1.5x unas').
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from attnlab.hf.analysis.pipeline import analyze
 from attnlab.hf.capture.windows import special_affixes, tokenize_text
 from attnlab.hf.load.loading import LoadedModel, load_model
 
-__all__ = ["benchmark_analysis"]
+__all__ = ["benchmark_analysis", "variant_costs"]
 
 _BENCH_TEXT = (
     "Attention lets every word of a sentence look at every other word and decide how much each one "
@@ -55,14 +57,47 @@ def benchmark_analysis(n_tokens: int = 512, repeats: int = 5, model=None, thread
         torch.set_num_threads(previous_threads)
 
 
-def _benchmark(n_tokens: int, repeats: int, model) -> dict:
-    loaded = model if isinstance(model, LoadedModel) else load_model(model)
+def _window(loaded: LoadedModel, n_tokens: int) -> tuple[str, torch.Tensor]:
+    """(text, input_ids (1, n_tokens)): English of exactly one window of n_tokens tokens."""
     text = _BENCH_TEXT * (n_tokens // 60 + 2)
     prefix, suffix = special_affixes(loaded.tokenizer)
     tokenized = tokenize_text(loaded.tokenizer, text)
     ids = [*prefix, *tokenized.ids[: n_tokens - len(prefix) - len(suffix)].tolist(), *suffix]
-    text = loaded.tokenizer.decode(ids, skip_special_tokens=True)
-    input_ids = torch.tensor([ids])
+    return loaded.tokenizer.decode(ids, skip_special_tokens=True), torch.tensor([ids])
+
+
+def variant_costs(n_tokens: int = 512, repeats: int = 7, model=None,
+                  extras=("dnas", "hnas", "sinkhorn", "softmax1", "sparsemax")) -> dict:
+    """Median seconds of the model's plain forward and of ``analyze(variants) + table()`` for unas alone
+    and for unas plus each of ``extras`` (one window, interleaved): unas' share = unas - forward,
+    a variant's cost = (unas + variant) - unas, and its ratio to unas' share."""
+    loaded = model if isinstance(model, LoadedModel) else load_model(model)
+    text, input_ids = _window(loaded, n_tokens)
+    sets = {"unas": ("unas",), **{v: ("unas", v) for v in extras}}
+
+    def forward():
+        with torch.no_grad():
+            loaded.model(input_ids=input_ids)
+
+    runs = {"forward": forward, **{name: (lambda vs=vs: analyze(text, loaded, vs, window=n_tokens).table())
+                                    for name, vs in sets.items()}}
+    for fn in runs.values():  # warm-up (kernels built, caches filled)
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):  # interleaved: a load change on a shared machine hits all alike
+        for name, fn in runs.items():
+            times[name] += _timed(fn, 1)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    share = med["unas"] - med["forward"]
+    return {"model": loaded.info.name, "n_tokens": int(input_ids.shape[1]), "repeats": repeats,
+            "torch_threads": torch.get_num_threads(), "median_s": med, "unas_share_s": share,
+            "cost_s": {v: med[v] - med["unas"] for v in extras},
+            "cost_over_unas_share": {v: (med[v] - med["unas"]) / share for v in extras}, "target": 1.5}
+
+
+def _benchmark(n_tokens: int, repeats: int, model) -> dict:
+    loaded = model if isinstance(model, LoadedModel) else load_model(model)
+    text, input_ids = _window(loaded, n_tokens)
 
     def forward():
         with torch.no_grad():
