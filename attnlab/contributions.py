@@ -240,20 +240,28 @@ def explained_away_fraction_by(
     from attnlab import sinks
 
     eps_relative = check_eps("eps_relative", eps_relative)
-    w = _check("weights", weights, 3)
+    streamed = getattr(weights, "streamed_window", False) and weights.window is not None
+    w = weights if streamed else _check("weights", weights, 3)
     M = w.shape[-2]
     if exclude is None:
-        col, m_rows, keep = w.sum(-2), w.new_full(w.shape[:-2], float(M)), slice(None)
+        # a streamed window's (HeadMaps) column masses are streamed: no map computed
+        col = w.window.column_masses()[w.variant] if streamed else w.sum(-2)
+        m_rows, keep = col.new_full(col.shape[:-1], float(M)), slice(None)
     else:
-        col, kept = sinks.sink_excluded_column_mass(w, exclude)
-        m_rows, keep = kept.sum(-1).to(w.dtype), ~exclude.to(torch.bool).cpu()
+        if streamed:  # the streamed sink pass (attnlab/hf/compute/streamed.py): no map computed
+            parts = w.sink_parts(exclude.to(torch.bool), None)
+            col, kept = parts["excluded"], parts["kept"]
+        else:
+            col, kept = sinks.sink_excluded_column_mass(w, exclude)
+        m_rows, keep = kept.sum(-1).to(col.dtype), ~exclude.to(torch.bool).cpu()
     n_keys = col.shape[-1]
     if not n_keys:
-        return w.new_zeros(w.shape[:-2])
+        return col.new_zeros(col.shape[:-1])
     if norms is not None:
-        _check_pair(w, norms)
-        col = col * norms.to(w.device, w.dtype)[..., keep]
+        if not streamed:
+            _check_pair(w, norms)
+        col = col * norms.to(col.device, col.dtype)[..., keep]
         total = col.sum(-1, keepdim=True)
         col = torch.where(total > 0, col * m_rows[..., None] / torch.where(total > 0, total, 1.0), 0.0)
     rel = col * (n_keys / torch.where(m_rows > 0, m_rows, 1.0))[..., None]
-    return torch.where(m_rows > 0, (rel < eps_relative).to(w.dtype).mean(-1), 0.0)
+    return torch.where(m_rows > 0, (rel < eps_relative).to(col.dtype).mean(-1), 0.0)

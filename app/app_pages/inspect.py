@@ -4,9 +4,11 @@ A click on a token focuses it in every view of the page."""
 
 import streamlit as st
 from appkit import beyond
+from appkit.analysis import LONG_CONTEXT
 from appkit.controls import inputs, window_view
 from appkit.gam import NOTE as GAM_NOTE
 from appkit.gam import gam_maps, is_gam
+from appkit.long_context import long_map
 from appkit.neuron import neuron_section
 from appkit.pick import layer_head, variant
 from appkit.token_views import focus_bar, token_view
@@ -34,7 +36,11 @@ chosen = variant(P, view, left)
 layer, head = layer_head(P, L, H, (mid, right))
 
 focus_bar(P, view)  # a click on a token redraws every view at once in the browser, then reruns only the bar
-if N <= SIDE_BY_SIDE_MAX_TOKENS:  # the map and the head view side by side
+span = None  # a long context: the tokens [lo, hi) the head view and the strip draw, around the focus
+if N > LONG_CONTEXT:  # one head's map downsampled, a region at full resolution; the rest around the focus
+    span = long_map(P, view, chosen, layer, head, text)
+    token_view(P, "head_view", view, chosen, layer, head, text=text, span=span)
+elif N <= SIDE_BY_SIDE_MAX_TOKENS:  # the map and the head view side by side
     maps, lines = st.columns([3, 2])
     with maps:
         token_view(P, "heatmap", view, chosen, layer, head, text=text)
@@ -52,7 +58,7 @@ neuron_section(P, view, chosen, layer, head, text)
 
 st.subheader("Attention each token receives")
 whole_layer = st.toggle("Mean over the layer's heads", value=True, key=f"{P}_mass_all_heads")
-token_view(P, "token_mass", view, chosen, layer, None if whole_layer else head, text=text)
+token_view(P, "token_mass", view, chosen, layer, None if whole_layer else head, text=text, span=span)
 
 st.subheader("Every layer and head: head views (model view)")
 if N <= MODEL_VIEW_MAX_TOKENS:
@@ -69,7 +75,10 @@ if is_gam(view):  # a GAM checkpoint's parts
     gam_maps(P, view, chosen, layer, head)
 
 st.subheader("Every layer and head: maps")
-token_view(P, "grid", view, chosen, layer, head, text=text)
-
-st.subheader("Rollout and attention flow")
-beyond.rollout_and_flow(P, view, chosen)
+if span is None:
+    token_view(P, "grid", view, chosen, layer, head, text=text)
+    st.subheader("Rollout and attention flow")
+    beyond.rollout_and_flow(P, view, chosen)
+else:  # every head's whole map: L x H heads computed
+    st.info(f"The layer × head grid, rollout and attention flow draw windows of up to {LONG_CONTEXT} tokens "
+            f"and this one has {N:,} (they need every head's whole map); the map above shows one head.")

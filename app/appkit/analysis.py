@@ -22,6 +22,7 @@ from appkit.sources import (
     load,
 )
 from attnlab import hf
+from attnlab.hf.compute.head_maps import HeadMaps
 from attnlab.hf.compute.lazy_weights import LazyWeights
 
 _MOVED = {  # names that moved to appkit.controls with the controls
@@ -111,7 +112,10 @@ class WindowView:
         if not self._nan:
             from attnlab import stats
 
-            self._nan.append(stats.weights_nan_note(self.weights))
+            if any(isinstance(w, HeadMaps) for w in self.weights.values()):  # streamed: no map computed
+                self._nan.append(_streamed_nan_note(self.weights))
+            else:
+                self._nan.append(stats.weights_nan_note(self.weights))
         return self._nan[0]
 
     def statistics_csv(self, eps_relative: float = 0.1) -> str:
@@ -119,8 +123,8 @@ class WindowView:
         from attnlab import stats
 
         u = self.u if isinstance(self.u, float) else torch.from_numpy(np.asarray(self.u))
-        table = stats.tidy_table(
-            {v: torch.from_numpy(w) for v, w in self.weights.items()},
+        table = stats.tidy_table(  # (a streamed window's HeadMaps materialize, up to their limit)
+            {v: w if isinstance(w, HeadMaps) else torch.from_numpy(w) for v, w in self.weights.items()},
             special=torch.from_numpy(np.asarray(self.special, dtype=bool)),
             u=u,
             eps_relative=eps_relative,
@@ -143,6 +147,22 @@ class WindowView:
                 "window": self.windowing["window"],
             },
         }
+
+
+def _streamed_nan_note(weights: Mapping) -> str | None:
+    """The NaN note of a streamed window (HeadMaps) from its streamed column masses (L, H, N): NaN in
+    a layer's maps reaches its column masses; no map is computed."""
+    from attnlab.figures._data import column_masses
+
+    first = {}
+    for v, w in weights.items():
+        bad = np.isnan(column_masses(w)[0]).any(axis=(1, 2))  # (L,)
+        if bad.any():
+            first[v] = int(np.argmax(bad))
+    if not first:
+        return None
+    named = ", ".join(f"{v} from layer {layer}" for v, layer in first.items())
+    return f"NaN in the attention weights ({named}): the model's weights or hidden states hold NaN."
 
 
 def keeps_learned_u(source: Source) -> bool:
@@ -177,11 +197,9 @@ def _plan(
         iters = None  # the slider left at its default: the causal rule's 1 (more rounds are refused)
     # statistics=False: the pages take their statistics from the weights they read, and a variant's
     # weights are computed when first read (Inspect, showing one variant, computes one)
-    # the pages draw every head's whole (N, N) map: a causal model's windows are capped at the view
-    # window (the library's default for it is the whole context, which the views cannot draw yet)
-    window = min(model.info.max_length, VIEW_WINDOW) if model.info.causal else None
-    plan = hf.stream_analysis(text, model, variants, mode, u, iters, window=window, statistics=False,
-                              **dict(extra))
+    # the library's windowing: a causal model's whole text up to its maximum positions (Inspect draws
+    # a window longer than LONG_CONTEXT tokens downsampled: appkit/long_context.py)
+    plan = hf.stream_analysis(text, model, variants, mode, u, iters, statistics=False, **dict(extra))
     limit = max_text_tokens()
     if plan.windowing.n_tokens > limit:  # bounded work per session: one text, at most this many tokens
         raise ValueError(f"the text has {plan.windowing.n_tokens:,} tokens for this model; the app analyses "
@@ -190,8 +208,9 @@ def _plan(
     return plan
 
 
-# Tokens per window of a causal model in the app (its pages draw every head's (N, N) map).
-VIEW_WINDOW = 512
+# Beyond this many tokens a window is a long context: Inspect draws one head's map downsampled with
+# a zoom, the head view and the token strip around the focus (appkit/long_context.py).
+LONG_CONTEXT = 512
 
 
 def max_text_tokens() -> int:
@@ -259,7 +278,9 @@ class _NumpyWeights(Mapping):
 def _numpy_weights(weights) -> Mapping:
     if isinstance(weights, LazyWeights):
         return _NumpyWeights(weights)
-    return {v: w.numpy() for v, w in weights.items()}
+    # a streamed window's HeadMaps stay as they are: a head computed when read (w.head(layer, head)),
+    # the whole (L, H, N, N) only where a page asks for it (np.asarray)
+    return {v: w if isinstance(w, HeadMaps) else w.numpy() for v, w in weights.items()}
 
 
 def _fail(e: Exception) -> None:

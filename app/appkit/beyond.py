@@ -20,6 +20,7 @@ from attnlab.figures import explained_away_heatmap
 from attnlab.figures.app_views import FigureBundle
 from attnlab.hf.beyond import interventions
 from attnlab.hf.capture import values
+from attnlab.hf.compute.head_maps import HeadMaps
 
 BY = ("weight", "contribution")
 
@@ -63,8 +64,8 @@ def explained_away(prefix: str, view: WindowView, eps: float, by: str, without_s
         sinks.sink_keys(N, torch.from_numpy(np.asarray(view.special, dtype=bool))) if without_sinks else None
     )
     fractions = {
-        v: contributions.explained_away_fraction_by(
-            torch.from_numpy(w), eps, norms=norms.get(v), exclude=exclude
+        v: contributions.explained_away_fraction_by(  # a streamed window's HeadMaps: streamed sums
+            w if isinstance(w, HeadMaps) else torch.from_numpy(w), eps, norms=norms.get(v), exclude=exclude
         )
         .double()
         .numpy()

@@ -27,6 +27,7 @@ from appkit.show import FOCUS, bundle, current_focus, focus, manifest
 from attnlab.figures._data import block_mean
 from attnlab.figures.head_overlay import head_color
 from attnlab.figures.head_view import MODEL_VIEW_MAX_TOKENS
+from attnlab.figures.long_maps import head_map
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 KINDS = ("heatmap", "head_view", "token_mass", "model_view", "grid")  # + "focus_bar" (focus_bar below)
@@ -83,8 +84,29 @@ def _on_heads(key: str) -> None:
     state.set_url(OVERLAY, [str(h) for h in extra] or None, state.LIST)
 
 
+@st.cache_resource(max_entries=4, ttl=1800, show_spinner=False)
+def _layer_span(key: str, variant: str, layer: int, lo: int, hi: int, _view: WindowView):
+    """(blocks (H, n, n) of the layer's heads over tokens [lo, hi), column masses (H, N) over every
+    query): each head's (N, N) computed in turn (``weights.head``) and dropped, so one at a time."""
+    maps = _view.weights[variant]
+    blocks, mass = [], []
+    for h in range(_view.shape[1]):
+        m = head_map(maps, layer, h)  # (N, N)
+        blocks.append(m[lo:hi, lo:hi].copy())
+        mass.append(m.sum(0))
+    return np.stack(blocks), np.stack(mass)
+
+
+def _span_weights(view: WindowView, variant: str, layer: int, span: tuple[int, int]):
+    """(weights (L, H, n, n) whose layer ``layer`` is the window's blocks (every layer reads the same
+    memory: only ``layer`` is meant), column masses (H, N) of the whole text)."""
+    blocks, mass = _layer_span(view.key, variant, layer, *span, view)
+    return np.broadcast_to(blocks, (view.shape[0], *blocks.shape)), mass
+
+
 def view_data(
-    kind: str, view: WindowView, variant: str, layer: int, head: int | None, heads: list[int] | None = None
+    kind: str, view: WindowView, variant: str, layer: int, head: int | None, heads: list[int] | None = None,
+    span: tuple[int, int] | None = None,
 ) -> dict:
     """What the browser draws for ``kind`` (focus and sequence number added by :func:`token_view`).
 
@@ -94,12 +116,25 @@ def view_data(
     of the layer (head_view: a chip shows or hides one at once); ``strip`` (N, N) float32 of the strip's map
     (the head, or the mean over the layer's heads: its column sums are the mean column mass, its
     rows the mean rows sent); ``model`` (L, H, N, N) uint8 of weight / model_max * 255.
+
+    ``span`` (head_view, token_mass of a long context): the tokens [lo, hi) alone, N = hi - lo; the
+    strip's column masses are still the whole text's; positions in the data are relative to lo, the
+    views form a group of their own (their clicks carry lo: :func:`token_view`).
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    w = np.asarray(view.weights[variant])  # (L, H, N, N)
+    mass = None  # (H, N): the whole text's column masses of a span's layer
+    if span is not None:
+        if kind not in ("head_view", "token_mass"):
+            raise ValueError(f"only the head view and the token strip take a span, not {kind!r}")
+        w, mass = _span_weights(view, variant, layer, span)  # (L, H, n, n)
+        mass = mass[:, span[0]:span[1]]  # (H, n)
+    else:
+        w = np.asarray(view.weights[variant])  # (L, H, N, N)
     L, H, N, _ = w.shape
-    d = {"kind": kind, "group": view.key, "variant": variant, "tokens": list(view.tokens), "n": N}
+    tokens = list(view.tokens) if span is None else list(view.tokens[span[0]:span[1]])
+    group = view.key if span is None else f"{view.key}@{span[0]}-{span[1]}"
+    d = {"kind": kind, "group": group, "variant": variant, "tokens": tokens, "n": N}
     if kind in ("grid", "model_view"):  # the head the page shows, framed; a click on another drills down
         d.update(layer_shown=layer, head_shown=head)
     if kind == "heatmap":
@@ -125,12 +160,13 @@ def view_data(
         where = f"layer {layer}, " + ("mean over heads" if head is None else f"head {head}")
         strip = w[layer].mean(0) if head is None else w[layer, head]  # (N, N)
         d.update(strip_where=where, strip_title=f"{variant}: attention each token receives ({where})")
-        if N <= STRIP_EXACT_MAX_TOKENS:
+        if N <= STRIP_EXACT_MAX_TOKENS and mass is None:
             d.update(strip=_b64(strip, "<f4"))
         else:  # exact column masses; the rows (shown when a token is focused) to 1 / 65534 of the top
             top = float(np.nanmax(strip)) if np.isfinite(strip).any() else 1.0
             q = np.where(np.isnan(strip), 65535.0, np.rint(np.clip(strip / (top or 1.0), 0, 1) * 65534.0))
-            d.update(strip_q=_b64(q, "<u2"), strip_max=top, strip_mass=_b64(strip.sum(0), "<f4"))
+            cols = strip.sum(0) if mass is None else mass.mean(0) if head is None else mass[head]
+            d.update(strip_q=_b64(q, "<u2"), strip_max=top, strip_mass=_b64(cols, "<f4"))
     elif kind == "grid":
         pooled, f = block_mean(w, GRID_MAX_TOKENS)  # (L, H, m, n)
         top = float(np.nanmax(pooled)) if pooled.size and np.isfinite(pooled).any() else 1.0
@@ -189,20 +225,23 @@ def decoded(data: dict) -> dict:
     return out
 
 
-def _take_focus(view_key: str, value: dict) -> None:
-    """The focus a click set in the browser ({focus: position or -1, seq}) becomes the shared focus."""
+def _take_focus(view_key: str, value: dict, offset: int = 0) -> None:
+    """The focus a click set in the browser ({focus: position or -1, seq}) becomes the shared focus
+    (``offset``: the first token of a span's views, whose positions are relative to it)."""
     position = value.get("focus")
     if position is not None and position < 0:
         position = None  # -1: the focus was cleared
+    elif position is not None:
+        position = int(position) + offset
     state.shared()[FOCUS] = {"view": view_key, "position": position}
     state.shared()[SEQ] = max(int(value.get("seq", 0)), state.shared().get(SEQ, 0))
 
 
-def _on_click(view_key: str, key: str) -> None:
-    """A click on a token in a view (trigger "focus")."""
+def _on_click(view_key: str, key: str, offset: int = 0) -> None:
+    """A click on a token in a view (trigger "focus"; a span's views: positions from ``offset``)."""
     value = st.session_state[key].get("focus") if st.session_state.get(key) else None
     if value:
-        _take_focus(view_key, value)
+        _take_focus(view_key, value, offset)
         note_focus_click()  # the neuron view, when shown, follows the focus: a whole-page rerun
 
 
@@ -229,21 +268,24 @@ def token_view(
     head: int | None,
     *,
     text: str | None = None,
+    span: tuple[int, int] | None = None,
 ) -> None:
     """One token view (key ``{prefix}_{kind}``) and its Export menu (the plotly figure, built when
-    a file is asked for, with the focus of that moment)."""
+    a file is asked for, with the focus of that moment). ``span`` (head_view, token_mass): the
+    tokens [lo, hi) of a long context alone; a click there reruns the page (the span follows the focus)."""
     heads = shown_heads(head, view.shape[1]) if kind == "head_view" else None
     if heads is not None:
         state.set_url(OVERLAY, [str(h) for h in heads if h != head] or None, state.LIST)
-    data = view_data(kind, view, variant, layer, head, heads)
+    data = view_data(kind, view, variant, layer, head, heads, span)
+    lo, hi = span or (0, view.shape[2])
     f = focus(view)
-    data.update(focus=f, seq=state.shared().get(SEQ, 0))
+    data.update(focus=f - lo if f is not None and lo <= f < hi else None, seq=state.shared().get(SEQ, 0))
     key = f"{prefix}_{kind}"
     with st.container(key=key):
         _component()(
             data=data,
             key=f"{key}_view",
-            on_focus_change=lambda: _on_click(view.key, f"{key}_view"),
+            on_focus_change=lambda: _on_click(view.key, f"{key}_view", lo),
             on_head_change=lambda: _on_head(prefix, view.key, f"{key}_view"),
             on_heads_change=lambda: _on_heads(f"{key}_view"),
         )
@@ -255,15 +297,40 @@ def token_view(
         p = {"variant": variant, "layer": layer, "head": head, "focus": current_focus(view, values)}
         if kind == "head_view":  # the heads shown at that moment (chips rerun only the focus bar)
             p["heads"] = shown_heads(head, view.shape[1], values)
+        if span is not None:  # the manifest names the tokens shown; the figure's positions are from lo
+            p["span"] = [lo, hi]
         return p
 
     export_menu(
         prefix,
         kind,
-        lambda: bundle(kind, view, params()),
+        lambda: bundle(kind, view, params()) if span is None else span_bundle(kind, view, params()),
         lambda: manifest(kind, view, params(), file_name=f"{kind}.manifest.json"),
         text,
     )
+
+
+def span_bundle(kind: str, view: WindowView, p: dict):
+    """The Export figure of a span's head view or strip: the library's builder on the span's tokens
+    (focus relative to the span; ``p["span"]`` = [lo, hi))."""
+    from attnlab.figures import app_views
+
+    lo, hi = p["span"]
+    w, mass = _span_weights(view, p["variant"], p["layer"], (lo, hi))  # (L, H, n, n): layer p["layer"] meant
+    f = p.get("focus")
+    q = {**p, "focus": f - lo if f is not None and lo <= f < hi else None}
+    tokens = list(view.tokens[lo:hi])
+    b = app_views.build(kind, {p["variant"]: w}, tokens, q)
+    if kind == "token_mass" and q["focus"] is None:  # the whole text's column masses, not the span's
+        from attnlab.figures.views import token_mass_strip
+
+        cols = (mass.mean(0) if p["head"] is None else mass[p["head"]])[lo:hi]  # (n,)
+        where = f"layer {p['layer']}, " + ("mean over heads" if p["head"] is None else f"head {p['head']}")
+        title = f"{p['variant']}: attention each token receives ({where}; tokens {lo}–{hi - 1})"
+        b.figure = token_mass_strip(tokens, cols, title=title, bound=1.0 / view.shape[2], what="mass")
+        b.table = b.table.assign(position=np.arange(lo, hi), column_mass=cols)
+        b.arrays = {"column_mass": cols}
+    return b
 
 
 HINT = "Click a token (a map cell, the head view, the token strip, the model view) to focus its attention."

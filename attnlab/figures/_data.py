@@ -88,6 +88,17 @@ def block_mean(maps: np.ndarray, max_size: int) -> tuple[np.ndarray, int]:
     return (sums / np.outer(rows, cols)).astype(np.float32), f
 
 
+def column_masses(weights) -> tuple[np.ndarray, int]:
+    """((L, H, N) column masses m_j = sum_i pi_ij, M) of one variant's (L, H, M, N) weights. A streamed
+    window's weights (HeadMaps, whose ``window`` streams them: attnlab/hf/compute/streamed.py) give
+    them without computing any map; other weights are summed."""
+    window = getattr(weights, "window", None)
+    if window is not None and hasattr(window, "column_masses") and hasattr(weights, "variant"):
+        return as_array(window.column_masses()[weights.variant], "column masses", 3), int(weights.shape[-2])
+    w = as_array(weights, "weights", 4)
+    return w.sum(-2), w.shape[-2]
+
+
 def check_focus(focus, n: int) -> int | None:
     """A focused token position: None, or an int in [0, n) (numpy integers accepted)."""
     if focus is None:

@@ -17,9 +17,10 @@ PLURAL = {"query": "queries", "key": "keys"}
 FOCUS_COLOR = "#ff7f0e"  # the outline of a focused token's row and column (click to focus)
 
 
-def position_labels(tokens: Sequence[str]) -> list[str]:
-    """``"3: the"``: a token with its position, unique even when tokens repeat (axis categories)."""
-    return [f"{i}: {t}" for i, t in enumerate(tokens)]
+def position_labels(tokens: Sequence[str], start: int = 0) -> list[str]:
+    """``"3: the"``: a token with its position (from ``start``), unique even when tokens repeat
+    (axis categories)."""
+    return [f"{i}: {t}" for i, t in enumerate(tokens, start)]
 
 
 def label_step(n: int, plot_px: float, font_px: float) -> int:
@@ -159,6 +160,7 @@ def attention_heatmap(
     focus: int | None = None,
     showscale: bool = True,
     click_targets: bool = False,
+    starts: tuple[int, int] = (0, 0),
 ) -> go.Figure:
     """One head's (M, N) weights with token labels on both axes and hover (query, key, weight).
 
@@ -169,7 +171,8 @@ def attention_heatmap(
     the colour scale (shared by compared panels). The heatmap trace holds the weights unchanged
     (float32). ``click_targets`` adds a second trace, one invisible marker per cell (``customdata`` =
     [query, key, weight]), which carries the hover and makes cells clickable (plotly cannot select
-    heatmap cells); use it for maps of up to ~80 tokens.
+    heatmap cells); use it for maps of up to ~80 tokens. ``starts``: the text positions of the first
+    query and the first key (a region of a longer map: labels name the positions in the text).
     """
     w = as_array(weights, "weights", 2)
     M, N = w.shape
@@ -178,7 +181,7 @@ def attention_heatmap(
     focus = check_focus(focus, max(M, N))
     side = int(min(max(16 * max(M, N) + 170, 440), 1400))
     font = 11 if max(M, N) <= 48 else 10 if max(M, N) <= 80 else 9
-    xs, ys = position_labels(keys), position_labels(queries)
+    xs, ys = position_labels(keys, starts[1]), position_labels(queries, starts[0])
     fig = go.Figure(
         go.Heatmap(
             z=w,

@@ -5,6 +5,9 @@ Kinds built from one analysis (weights ``{variant: (L, H, N, N)}`` of one window
 
     grid            layer x head maps of one variant (attnlab.figures.attention_grid: one trace)
     heatmap         one head's map with token labels (attnlab.figures.attention_heatmap)
+    heatmap_blocks  one head's map of a long context, means (or maxima) over token blocks, params
+                    "block", "how"; heatmap_zoom: its region "rows" x "cols" at full resolution
+                    (attnlab.figures.long_maps; one head computed, on access)
     head_view       lines from each query to each key, opacity = weight (bertviz-style); with
                     params["heads"] several heads of the layer overlaid, a colour each
     model_view      every layer x head as a small head view (bertviz's model view, <= 64 tokens)
@@ -33,12 +36,13 @@ import numpy as np
 import pandas as pd
 import torch
 
-from attnlab.figures._data import as_array, block_mean
+from attnlab.figures._data import as_array, block_mean, column_masses
 from attnlab.figures.attention import attention_grid, attention_heatmap
 from attnlab.figures.bundle import FigureBundle, long_table
 from attnlab.figures.distributions import column_mass_distribution, explained_away_heatmap
 from attnlab.figures.head_overlay import check_heads, head_overlay
 from attnlab.figures.head_view import model_view
+from attnlab.figures.long_maps import blocks_bundle, zoom_bundle
 from attnlab.figures.views import js_distance_heatmap, panel_heatmaps, token_mass_strip
 
 __all__ = ["KINDS", "MULTI_KINDS", "build"]
@@ -46,6 +50,8 @@ __all__ = ["KINDS", "MULTI_KINDS", "build"]
 KINDS = (
     "grid",
     "heatmap",
+    "heatmap_blocks",
+    "heatmap_zoom",
     "head_view",
     "model_view",
     "token_mass",
@@ -183,6 +189,19 @@ def _one_head(kind: str, v: str, w: np.ndarray, tokens, p: dict) -> FigureBundle
     return FigureBundle(fig, table, {column: mass})
 
 
+def _explained_away(w, eps: float) -> np.ndarray:
+    """(L, H) share of keys with relative column mass < eps (attnlab.stats.explained_away_fraction);
+    a streamed window's from its streamed column masses (no map computed), NaN propagating."""
+    if getattr(w, "window", None) is None:
+        from attnlab.stats import explained_away_fraction
+
+        w = torch.from_numpy(as_array(w, "weights", 4))
+        return explained_away_fraction(w, eps, relative=True).numpy()
+    cm, M = column_masses(w)  # (L, H, N)
+    rel = cm * (cm.shape[-1] / max(M, 1))
+    return np.where(np.isnan(rel), np.nan, rel < eps).mean(-1).astype(np.float32)
+
+
 def build(
     kind: str,
     weights: Mapping[str, np.ndarray] | Sequence[Mapping[str, np.ndarray]],
@@ -238,6 +257,8 @@ def build(
         )
         pooled, _ = block_mean(w, p.get("max_tokens", 64))
         return FigureBundle(fig, long_table(pooled, ["layer", "head"]), {v: w, "tokens": np.array(tokens)})
+    if kind in ("heatmap_blocks", "heatmap_zoom"):  # one head of a long context: that head alone read
+        return (blocks_bundle if kind == "heatmap_blocks" else zoom_bundle)(weights[p["variant"]], tokens, p)
     if kind in ("heatmap", "head_view", "token_mass"):
         v = p["variant"]
         return _one_head(kind, v, as_array(weights[v], f"weights[{v!r}]", 4), tokens, p)
@@ -246,13 +267,13 @@ def build(
         layer, group = p.get("layer"), p.get("group", "variant")
         masses, frames = {}, []
         for v in variants:
-            cm = as_array(weights[v], f"weights[{v!r}]", 4).sum(-2)  # (L, H, N)
+            cm, _ = column_masses(weights[v])  # (L, H, N); a streamed window's without its maps
             for lay in range(cm.shape[0]) if layer is None else [layer]:
                 name = v if group == "variant" else f"{v} · layer {lay}"
                 masses.setdefault(name, []).append(cm[lay].reshape(-1))
                 frames.append(long_table(cm[lay], ["head"], ("key",)).assign(variant=v, layer=lay))
         masses = {k: np.concatenate(x) for k, x in masses.items()}
-        n = int(np.asarray(next(iter(weights.values()))).shape[-1])
+        n = int(next(iter(weights.values())).shape[-1])
         where = "every layer" if layer is None else f"layer {layer}"
         fig = column_mass_distribution(
             masses,
@@ -266,14 +287,9 @@ def build(
             fig, table, {k.replace(" · ", "_").replace(" ", ""): x for k, x in masses.items()}
         )
     # explained_away
-    from attnlab.stats import explained_away_fraction
-
     eps = float(p["eps"])
     variants = list(p.get("variants") or list(weights))
-    fractions = {
-        v: explained_away_fraction(torch.from_numpy(as_array(weights[v], v, 4)), eps, relative=True).numpy()
-        for v in variants
-    }
+    fractions = {v: _explained_away(weights[v], eps) for v in variants}
     fig = explained_away_heatmap(fractions, title=f"Explained-away fraction (relative column mass < {eps:g})")
     table = pd.concat(
         [long_table(f, [], ("layer", "head")).assign(variant=v) for v, f in fractions.items()],

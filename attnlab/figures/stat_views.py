@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 
-from attnlab.figures._data import as_array, check_tokens
+from attnlab.figures._data import check_tokens, column_masses
 
 __all__ = ["MOST_EXPLAINED_AWAY_COLUMNS", "most_explained_away", "relative_mass"]
 
@@ -38,11 +38,11 @@ def most_explained_away(
     explained away), mean_relative_mass, min_relative_mass (labels: MOST_EXPLAINED_AWAY_COLUMNS);
     sorted by share, then mean mass.
     """
-    w = as_array(weights, "weights", 4)
-    tokens = check_tokens(tokens, w.shape[-1])
+    cm, M = column_masses(weights)  # (L, H, N): a streamed window's without computing its maps
+    tokens = check_tokens(tokens, cm.shape[-1])
     if layer is not None:
-        w = w[layer : layer + 1]
-    rel = relative_mass(w).reshape(-1, w.shape[-1])  # (L*H, N)
+        cm = cm[layer : layer + 1]
+    rel = (cm * (cm.shape[-1] / max(M, 1))).reshape(-1, cm.shape[-1])  # (L*H, N), as relative_mass
     frame = pd.DataFrame(
         {
             "position": np.arange(len(tokens)),
