@@ -19,13 +19,17 @@ st.title("Hybrid weights")
 st.caption(
     "HNAS mixes u·DNAS + (1−u)·UNAS per head, u = sigmoid(θ) learned from θ₀ = 0 (u₀ = 0.5). The "
     "paper reports u above 0.5 in every layer, with more UNAS near the output. Runs of `attnlab train "
-    "--recipe retrofit-hnas --out runs/NAME` (HNAS learned on a frozen pretrained model) are listed too."
+    "--recipe retrofit-hnas --out runs/NAME` (HNAS learned on a frozen pretrained model) and runs of "
+    "`attnlab train --out runs/GROUP/NAME` started from a shell are listed too; seeds of one recipe "
+    "(NAME-s0, NAME-s1, …) are drawn together with a 95 % CI band."
 )
 
 sources = {f"{p.name} (shipped)": p for p in sorted(CHECKPOINTS.glob("*")) if (p / "metrics.jsonl").is_file()}
 sources |= {f"{r.name} (run, {r.status})": r.dir for r in runs.list_runs()}
 sources |= {f"{r.dir.relative_to(runs.runs_dir())} (retrofit, {r.status})": r.dir
             for r in runs.list_retrofit_runs()}
+sources |= {f"{r.dir.relative_to(runs.runs_dir())} (command-line run, {r.status})": r.dir
+            for r in runs.list_cli_runs()}
 options = [*sources, UPLOAD]
 choice = st.selectbox(
     "Run or checkpoint",
@@ -109,3 +113,22 @@ def hybrid_live():
 
 
 hybrid_live()
+
+# Seeds of one recipe (runs named NAME-s0, NAME-s1, ...: the shipped enc8-hnas-s*, app runs, retrofits)
+# together: per layer the mean over seeds of u (mean over heads) with its 95 % CI band.
+seeds = runs.seed_siblings(choice, sources) if choice != UPLOAD else {}
+if len(seeds) >= 2:
+    st.subheader("Seeds of this recipe together")
+    shown = st.multiselect("Seeds shown", list(seeds), default=list(seeds), key=f"{P}_seeds")
+    if len(shown) >= 2:
+        from attnlab.figures.training import seed_band
+        from attnlab.train import read_metrics
+
+        per_seed = {name: read_metrics(seeds[name] / "metrics.jsonl") for name in shown}
+        try:
+            show_bundle(P, "seed_band", seed_band(per_seed),
+                        {"metrics": [str(seeds[n] / "metrics.jsonl") for n in shown]})
+        except ValueError as e:
+            st.warning(f"These runs cannot be shown together: {e}")
+    else:
+        st.caption("Choose at least two seeds for the band.")

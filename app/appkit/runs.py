@@ -140,6 +140,19 @@ def list_retrofit_runs() -> list[Run]:
     return [inspect(p) for p in sorted(dirs, key=lambda p: p.stat().st_mtime, reverse=True)]
 
 
+def list_cli_runs() -> list[Run]:
+    """Runs of ``attnlab train --out <runs dir>/NAME`` or ``<runs dir>/GROUP/NAME`` started from a shell
+    (a recipe.json, no app config; retrofits excepted), newest first: e.g. scripts/hnas_scale.sh's
+    runs/hnas-scale/enc8-hnas-s0, shown on the Hybrid weights page while they train."""
+    from attnlab.train.retrofit import is_retrofit_run
+
+    root = runs_dir()
+    found = [*root.glob("*/recipe.json"), *root.glob("*/*/recipe.json")] if root.is_dir() else []
+    dirs = [p.parent for p in found if not (p.parent / CONFIG).is_file() and not is_retrofit_run(p.parent)
+            and (p.parent / "metrics.jsonl").is_file()]
+    return [inspect(p) for p in sorted(dirs, key=lambda p: p.stat().st_mtime, reverse=True)]
+
+
 def list_runs() -> list[Run]:
     """Runs started from the app, newest first."""
     root = runs_dir()
@@ -282,3 +295,22 @@ def resume(run: Run) -> None:
     if not (run.dir / "latest.json").is_file():
         raise ValueError(f"run {run.name} has no checkpoint to resume from; start a new run")
     _launch(run.dir, resume=True)
+
+
+_SEED = re.compile(r"^(?P<recipe>.+)-s(?P<seed>\d+)$")
+
+
+def seed_siblings(choice: str, sources: dict) -> dict:
+    """{label: directory with metrics.jsonl} of the seeds of the chosen source's recipe: the sources whose
+    directory name is the chosen one's with another ``-s<k>`` suffix (itself included); {} when the
+    chosen one has no such suffix. ``sources``: the Hybrid weights page's {label: directory}."""
+    chosen = sources.get(choice)
+    match = _SEED.match(chosen.name) if chosen is not None else None
+    if match is None:
+        return {}
+    out = {}
+    for label, path in sources.items():
+        m = _SEED.match(Path(path).name)
+        if m and m["recipe"] == match["recipe"] and (Path(path) / "metrics.jsonl").is_file():
+            out[label] = Path(path)
+    return dict(sorted(out.items(), key=lambda kv: int(_SEED.match(kv[1].name)["seed"])))

@@ -11,7 +11,7 @@ import plotly.graph_objects as go
 
 from attnlab.figures.bundle import FigureBundle, long_table
 
-__all__ = ["hybrid_weight_curves", "hybrid_weight_heatmap", "training_curves"]
+__all__ = ["hybrid_weight_curves", "hybrid_weight_heatmap", "seed_band", "training_curves"]
 
 
 def _u_history(records: Sequence[Mapping]) -> tuple[np.ndarray, np.ndarray]:
@@ -126,3 +126,49 @@ def training_curves(records: Sequence[Mapping], *, title: str = "Loss") -> Figur
         ]
     )
     return FigureBundle(fig, table, {})
+
+
+def seed_band(per_seed: Mapping[str, Sequence[Mapping]], *, title: str | None = None) -> FigureBundle:
+    """Several seeds of one recipe together: per layer, u averaged over heads in each seed, then the mean
+    over seeds with its 95 % t-interval (the band) at every step all seeds logged.
+
+    per_seed: {run name: its metrics.jsonl records}, at least two runs of one (L, H). The table holds
+    one row per (step, layer): mean, ci_low, ci_high and n_seeds."""
+    from scipy import stats
+
+    if len(per_seed) < 2:
+        raise ValueError(f"per_seed must hold at least two runs, got {len(per_seed)}")
+    histories = {name: _u_history(recs) for name, recs in per_seed.items()}
+    shapes = {u.shape[1:] for _, u in histories.values()}
+    if len(shapes) != 1 or not next(iter(shapes)):
+        raise ValueError(f"per_seed must be runs of one model with logged u (one (L, H)), got {shapes}")
+    common = sorted(set.intersection(*(set(s.tolist()) for s, _ in histories.values())))
+    layer_u = np.stack([np.stack([u[list(s).index(t)].mean(-1) for t in common])
+                        for s, u in histories.values()])  # (R, T, L)
+    R = layer_u.shape[0]
+    mean = layer_u.mean(0)  # (T, L)
+    half = stats.t.ppf(0.975, R - 1) * layer_u.std(0, ddof=1) / np.sqrt(R)  # (T, L)
+    lo, hi = mean - half, mean + half
+    steps = np.array(common)
+    fig = go.Figure()
+    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
+    for layer in range(mean.shape[1]):
+        c = colors[layer % len(colors)]
+        fig.add_trace(go.Scatter(x=np.concatenate([steps, steps[::-1]]),
+                                 y=np.concatenate([hi[:, layer], lo[::-1, layer]]), fill="toself",
+                                 fillcolor=c, opacity=0.2, line={"width": 0}, hoverinfo="skip",
+                                 showlegend=False, legendgroup=str(layer)))
+        hover = f"layer {layer}<br>step %{{x}}<br>mean u %{{y:.3f}}<extra></extra>"
+        fig.add_trace(go.Scatter(x=steps, y=mean[:, layer], mode="lines", name=f"layer {layer}",
+                                 line={"color": c}, legendgroup=str(layer), hovertemplate=hover))
+    fig.add_hline(y=0.5, line={"dash": "dot", "color": "gray"}, annotation_text="u = 0.5 (init)")
+    fig.update_xaxes(title="training step")
+    fig.update_yaxes(title="u (0 = UNAS, 1 = DNAS), mean over heads")
+    fig.update_layout(title=title or f"u per layer: mean over {R} seeds, 95 % CI band", width=760,
+                      height=440)
+    table = pd.DataFrame([{"step": int(t), "layer": la, "mean": float(mean[i, la]),
+                           "ci_low": float(lo[i, la]), "ci_high": float(hi[i, la]), "n_seeds": R}
+                          for i, t in enumerate(common) for la in range(mean.shape[1])],
+                         columns=["step", "layer", "mean", "ci_low", "ci_high", "n_seeds"])
+    return FigureBundle(fig, table, {"steps": steps, "mean": mean, "half_width": half,
+                                     "runs": list(per_seed)})
