@@ -192,7 +192,7 @@ def test_inspect_draws_a_long_causal_text_downsampled_with_a_zoom(long_llama, de
     assert params["block"] == 4 and params["how"] == "mean" and params["rows"] == [N - 128, N]
 
 
-def test_explaining_away_on_a_long_causal_text_streams_its_statistics(long_llama, monkeypatch):
+def test_explaining_away_on_a_long_causal_text_streams_its_statistics(long_llama, monkeypatch, deferred):
     """The Explaining-away page on ~1,650 tokens: column-mass distributions, the explained-away
     fractions (by weight, and without sink keys) and the most explained-away tokens, all from the
     streamed column masses and sink sums (no variant's whole weights computed); the fractions equal
@@ -212,3 +212,14 @@ def test_explaining_away_on_a_long_causal_text_streams_its_statistics(long_llama
     assert not at.exception and not at.error, messages(at)
     at.segmented_control(key="away_by").set_value("contribution").run()
     assert not at.exception and not at.error, messages(at)
+    # every statistic as CSV: from a second, streamed capture forward (no weights); its explained-away
+    # fractions are the ones above
+    import io
+
+    import pandas as pd
+
+    table = pd.read_csv(io.StringIO(click(at, deferred, "away_stats_csv")))
+    assert set(table["variant"]) == {"unas", "dnas", "hnas", "sinkhorn"}
+    rows = table[(table["variant"] == "unas") & (table["statistic"] == "explained_away_relative")]
+    got = rows.sort_values(["layer", "head"])["value"].to_numpy().reshape(2, 4)
+    np.testing.assert_allclose(got, want.numpy(), atol=1e-6)

@@ -86,6 +86,8 @@ class WindowView:
     # variant -> {map: (L, H, N, N)}: a GAM checkpoint's phi, theta and brains (hf WindowResult.components)
     components: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
     _nan: list = field(default_factory=list, init=False, repr=False, compare=False)  # [note], once known
+    # a streamed window's statistics (eps_relative -> tidy table) without its weights (None: from them)
+    streamed_table: object = field(default=None, repr=False, compare=False)
 
     @property
     def key(self) -> str:
@@ -122,9 +124,11 @@ class WindowView:
         """Every statistic of ``attnlab.stats.tidy_table`` for this window, as CSV."""
         from attnlab import stats
 
+        if self.streamed_table is not None:  # a streamed window: no weights computed
+            return self.streamed_table(eps_relative).to_csv(index=False)
         u = self.u if isinstance(self.u, float) else torch.from_numpy(np.asarray(self.u))
-        table = stats.tidy_table(  # (a streamed window's HeadMaps materialize, up to their limit)
-            {v: w if isinstance(w, HeadMaps) else torch.from_numpy(w) for v, w in self.weights.items()},
+        table = stats.tidy_table(
+            {v: torch.from_numpy(w) for v, w in self.weights.items()},
             special=torch.from_numpy(np.asarray(self.special, dtype=bool)),
             u=u,
             eps_relative=eps_relative,
@@ -191,10 +195,7 @@ def _plan(
     """The planned analysis (``hf.stream_analysis``) of any model: Hugging Face or native checkpoint.
     A native HNAS checkpoint keeps the u it learned (the slider's u applies to other models)."""
     model = load(Source(kind, path, ""))
-    if isinstance(model, hf.NativeModel) and hf.load.native.learned_u(model) is not None:
-        u = None
-    if model.info.causal and iters == attnlab.variant_spec("sinkhorn").param("iters").default:
-        iters = None  # the slider left at its default: the causal rule's 1 (more rounds are refused)
+    u, iters = _given(model, u, iters)
     # statistics=False: the pages take their statistics from the weights they read, and a variant's
     # weights are computed when first read (Inspect, showing one variant, computes one)
     # the library's windowing: a causal model's whole text up to its maximum positions (Inspect draws
@@ -206,6 +207,29 @@ def _plan(
                          f"up to {limit:,} per text (ATTNLAB_APP_MAX_TOKENS; use `attnlab analyze FILE.txt` "
                          "for longer texts)")
     return plan
+
+
+def _given(model, u: float, iters: int) -> tuple:
+    """(u, iters) as the analysis takes them: None where the model decides (a native HNAS checkpoint's
+    learned u; a causal model's one Sinkhorn round while the slider is at its default)."""
+    if isinstance(model, hf.NativeModel) and hf.load.native.learned_u(model) is not None:
+        u = None
+    if model.info.causal and iters == attnlab.variant_spec("sinkhorn").param("iters").default:
+        iters = None  # the slider left at its default: the causal rule's 1 (more rounds are refused)
+    return u, iters
+
+
+def _streamed_table(s: Settings, text: str, window: int):
+    """eps_relative -> the window's tidy statistics by a second capture forward that takes them as it
+    runs (``statistics=True``, the streamed analysis: no weights held): a long context's CSV."""
+
+    def table(eps_relative: float):
+        model = load(s.source)
+        u, iters = _given(model, s.u, s.iters)
+        plan = hf.stream_analysis(text, model, s.variants, s.mode, u, iters, **dict(s.extra))
+        return plan.window(window).table(eps_relative=eps_relative)
+
+    return table
 
 
 # Beyond this many tokens a window is a long context: Inspect draws one head's map downsampled with
@@ -239,6 +263,7 @@ def _window(
     plan = _plan(kind, path, text, variants, mode, u, iters, extra)
     result = plan.window(window)
     used = plan.u if isinstance(plan.u, float) else plan.u.numpy()
+    streamed = any(isinstance(w, HeadMaps) for w in dict.values(result.weights))
     return WindowView(
         s,
         model.info,
@@ -254,6 +279,7 @@ def _window(
         text_sha256=plan.text_sha256,
         characters=len(text),
         notes=list(plan.notes),
+        streamed_table=_streamed_table(s, text, window) if streamed else None,
     )
 
 
