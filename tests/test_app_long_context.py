@@ -190,6 +190,11 @@ def test_inspect_draws_a_long_causal_text_downsampled_with_a_zoom(long_llama, de
     at.run()
     params = json.loads(click(at, deferred, "inspect_heatmap_blocks_manifest"))["figure"]["params"]
     assert params["block"] == 4 and params["how"] == "mean" and params["rows"] == [N - 128, N]
+    # a shorter long text keeps the region inside it (no widget value out of its bounds)
+    at.text_area(key="inspect_text").set_value(TEXT[: len(TEXT) * 2 // 5]).run()
+    assert not at.exception, [e.message for e in at.exception]
+    zoom = _chart(at, "inspect_heatmap_zoom")
+    assert int(zoom["data"][0]["y"][-1].split(":")[0]) < N * 2 // 5 + 64
 
 
 def test_explaining_away_on_a_long_causal_text_streams_its_statistics(long_llama, monkeypatch, deferred):

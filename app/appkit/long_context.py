@@ -48,12 +48,17 @@ class _OneHead:
 
 def _region(prefix: str, n: int, f: int | None) -> tuple[tuple[int, int], tuple[int, int]]:
     """The zoom's query and key ranges from three number boxes (first query, first key, size)."""
-    a, b, c = st.columns(3)
-    size = int(c.number_input("Region size (tokens per side)", 8, min(MAX_ZOOM, n), min(ZOOM_DEFAULT, n),
-                              step=8, key=f"{prefix}_zoom_size"))
+    size = min(int(st.session_state.get(f"{prefix}_zoom_size", ZOOM_DEFAULT)), MAX_ZOOM, n)
     start = 0 if f is None else min(max(f - size // 2, 0), n - size)
-    q0 = int(a.number_input("Queries from", 0, n - 1, start, key=f"{prefix}_zoom_rows"))
-    k0 = int(b.number_input("Keys from", 0, n - 1, start, key=f"{prefix}_zoom_cols"))
+    for name, first, top in (("size", size, min(MAX_ZOOM, n)), ("rows", start, n - 1),
+                             ("cols", start, n - 1)):
+        key = f"{prefix}_zoom_{name}"  # first centred on the focus; kept inside a shorter text
+        st.session_state[key] = min(st.session_state.get(key, first), top)
+    a, b, c = st.columns(3)
+    size = int(c.number_input("Region size (tokens per side)", 8, min(MAX_ZOOM, n), step=8,
+                              key=f"{prefix}_zoom_size"))
+    q0 = int(a.number_input("Queries from", 0, n - 1, key=f"{prefix}_zoom_rows"))
+    k0 = int(b.number_input("Keys from", 0, n - 1, key=f"{prefix}_zoom_cols"))
     q0, k0 = min(q0, n - size), min(k0, n - size)  # the region stays inside the text
     return (q0, q0 + size), (k0, k0 + size)
 
