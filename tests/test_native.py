@@ -22,7 +22,7 @@ from attnlab.hf.load.native import NativeModel, capture_attention_inputs, learne
 REPO = Path(__file__).resolve().parents[1]
 CKPT = REPO / "checkpoints"
 TEXT = "In the beginning God created the heaven and the earth. And the earth was without form, and void."
-SHIPPED = sorted(p.name for p in CKPT.glob("enc-*") if (p / "latest.json").is_file())
+SHIPPED = sorted(p.name for p in CKPT.glob("enc*") if (p / "latest.json").is_file())  # enc-*, enc8-*-s<k>
 pytestmark = pytest.mark.skipif(not SHIPPED, reason="no shipped checkpoints in checkpoints/")
 
 
