@@ -263,7 +263,8 @@ def _window(
     plan = _plan(kind, path, text, variants, mode, u, iters, extra)
     result = plan.window(window)
     used = plan.u if isinstance(plan.u, float) else plan.u.numpy()
-    streamed = any(isinstance(w, HeadMaps) for w in dict.values(result.weights))
+    long = len(result.tokens) > LONG_CONTEXT  # a long context's streamed weights stay per head on access
+    streamed = long and any(isinstance(w, HeadMaps) for w in dict.values(result.weights))
     return WindowView(
         s,
         model.info,
@@ -273,7 +274,7 @@ def _window(
         u=used,
         iters=plan.iters,
         window=window,
-        weights=_numpy_weights(result.weights),  # (L, H, N, N); a variant's computed when first read
+        weights=_numpy_weights(result.weights, long),  # (L, H, N, N)
         components={v: {n: t.numpy() for n, t in maps.items()} for v, maps in result.components.items()},
         windowing=plan.windowing.as_dict(),
         text_sha256=plan.text_sha256,
@@ -301,12 +302,13 @@ class _NumpyWeights(Mapping):
         return len(self._weights)
 
 
-def _numpy_weights(weights) -> Mapping:
+def _numpy_weights(weights, long: bool = False) -> Mapping:
     if isinstance(weights, LazyWeights):
         return _NumpyWeights(weights)
-    # a streamed window's HeadMaps stay as they are: a head computed when read (w.head(layer, head)),
-    # the whole (L, H, N, N) only where a page asks for it (np.asarray)
-    return {v: w if isinstance(w, HeadMaps) else w.numpy() for v, w in weights.items()}
+    # a long context's HeadMaps (a streamed window) stay as they are: a head computed when read
+    # (w.head(layer, head)), the whole (L, H, N, N) only where a page asks for it (np.asarray); a
+    # shorter window's are numpy, as every page reads them
+    return {v: w if long and isinstance(w, HeadMaps) else w.numpy() for v, w in weights.items()}
 
 
 def _fail(e: Exception) -> None:
