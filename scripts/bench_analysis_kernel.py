@@ -18,8 +18,8 @@ import torch
 from attnlab import kernels
 from attnlab.hf.analysis.benchmark import _BENCH_TEXT
 from attnlab.hf.capture.interface import capture_qk
-from attnlab.hf.load.loading import load_model
 from attnlab.hf.capture.windows import special_affixes, tokenize_text
+from attnlab.hf.load.loading import load_model
 
 
 def heads(n_tokens: int = 512):
