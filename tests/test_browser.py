@@ -531,6 +531,7 @@ def test_timing_script_prints_and_writes_every_figure(tmp_path):
         "page_load_warm": 1,
         "text_change_50": 1,
         "text_change_512": 1,
+        "text_change_1440": 1,
         "click_to_focus_cell": 1,
         "click_to_focus_head_view": 1,
         "window_change": 1,

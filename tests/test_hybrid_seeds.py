@@ -68,10 +68,10 @@ def test_page_draws_the_band_for_command_line_seeds(monkeypatch, tmp_path):
     monkeypatch.setenv("ATTNLAB_RUNS_DIR", str(tmp_path / "runs"))
     monkeypatch.setenv("ATTNLAB_UPLOADS_DIR", str(tmp_path / "uploads"))
     for k in range(3):
-        _write_run(tmp_path / "runs" / "scale", f"enc8-hnas-s{k}", k)
+        _write_run(tmp_path / "runs" / "scale", f"tiny-hnas-s{k}", k)  # (not a shipped name)
     at = AppTest.from_file(str(REPO / "app" / "streamlit_app.py"), default_timeout=240).run()
     at.switch_page("app_pages/hybrid_weights.py").run()
-    label = next(o for o in at.selectbox(key="hybrid_source").options if o.startswith("scale/enc8-hnas-s1"))
+    label = next(o for o in at.selectbox(key="hybrid_source").options if o.startswith("scale/tiny-hnas-s1"))
     at.selectbox(key="hybrid_source").set_value(label).run()
     assert not at.exception, [e.message for e in at.exception]
     assert "command-line run" in label
