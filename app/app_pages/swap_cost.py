@@ -6,6 +6,7 @@ import time
 
 import streamlit as st
 from appkit import corpus_runs
+from appkit.run_panel import run_panel
 from appkit.show import show_bundle
 
 import attnlab
@@ -90,22 +91,8 @@ chosen = st.selectbox("Run", list(all_runs), key=f"{P}_run",
 # named per page: a fragment's id is its name + place, and every page runs as __main__ (issue 30)
 @st.fragment(run_every=2.0 if all_runs[chosen].active else None)
 def swap_cost_live(run_dir):
-    run = corpus_runs.inspect(run_dir, KIND)
-    if run.status != all_runs[chosen].status:
-        st.rerun()  # it ended (redraw without polling) or started: the picker says the same as the bar
-    st.progress(*corpus_runs.progress_line(run))
-    a, b, _ = st.columns([1, 1, 4])
-    if a.button("Stop", key=f"{P}_stop", disabled=not run.active):
-        corpus_runs.stop(run)
-        st.rerun()
-    if b.button("Resume", key=f"{P}_resume", disabled=run.active or run.status == "finished"):
-        corpus_runs.resume(run)
-        st.rerun()
-    if run.status == "failed":
-        st.error("The run failed; the end of its log:")
-        st.code(run.log_tail(), language="text")
-    if run.status == "finished":
-        show_result(open_result(run.result), "run")
+    run_panel(run_dir, KIND, all_runs[chosen].status, P,
+              lambda run: show_result(open_result(run.result), "run"))
 
 
 swap_cost_live(all_runs[chosen].dir)

@@ -14,6 +14,10 @@ from attnlab.figures.bundle import FigureBundle, long_table
 __all__ = ["hybrid_weight_curves", "hybrid_weight_heatmap", "seed_band", "training_curves"]
 
 
+# one colour per layer (cycled), shared by the u curves and the seed band
+LAYER_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
+
+
 def _u_history(records: Sequence[Mapping]) -> tuple[np.ndarray, np.ndarray]:
     """(steps (T,), u (T, L, H)) from metrics records that carry "u"; NaN (non-mixture) kept."""
     rows = [(r["step"], r["u"]) for r in records if r.get("u") is not None]
@@ -29,7 +33,7 @@ def hybrid_weight_curves(
     metrics.jsonl records. u = 1 is pure DNAS, u = 0 pure UNAS (the paper reports u > 0.5)."""
     steps, u = _u_history(records)
     fig = go.Figure()
-    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
+    colors = LAYER_COLORS
     for layer in range(u.shape[1] if u.ndim == 3 else 0):
         c = colors[layer % len(colors)]
         lo, hi, mean = u[:, layer].min(-1), u[:, layer].max(-1), u[:, layer].mean(-1)
@@ -151,7 +155,7 @@ def seed_band(per_seed: Mapping[str, Sequence[Mapping]], *, title: str | None = 
     lo, hi = mean - half, mean + half
     steps = np.array(common)
     fig = go.Figure()
-    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
+    colors = LAYER_COLORS
     for layer in range(mean.shape[1]):
         c = colors[layer % len(colors)]
         fig.add_trace(go.Scatter(x=np.concatenate([steps, steps[::-1]]),

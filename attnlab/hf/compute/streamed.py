@@ -17,7 +17,8 @@ from attnlab.hf.compute.causal_kernel import causal_kernel, kernel_layer, kernel
 from attnlab.hf.compute.tiles import LayerInputs, Tile, head_weights, visit_tiles
 from attnlab.stats.engine import row_sums_dict
 
-__all__ = ["new_sums", "key_masks", "stream_sums", "stream_sink_sums", "StreamedWindow"]
+__all__ = ["new_sums", "key_masks", "stream_sums", "stream_sink_sums", "StreamedWindow", "streamed_window",
+           "layer_inputs", "streamed_analysis"]
 
 def new_sums(n_layers: int, n_heads: int, n: int, variants: Sequence[str], spec: torch.Tensor | None,
              device=None) -> dict:
@@ -211,3 +212,42 @@ class StreamedWindow:
             sums = stream_sums(self.layers, self.variants, self.params, None)
             self._sinks["cols"] = {v: s["cols"].reshape(L, H, N).cpu() for v, s in sums.items()}
         return dict(self._sinks["cols"])
+
+
+def streamed_window(captured, valid) -> bool:
+    """Whether one window takes the streamed analysis (attnlab/hf/compute/streamed.py): B = 1 and some
+    layer masks (causal, sliding window, a mask) or softcaps; unmasked bidirectional windows keep the
+    fused analysis."""
+    if valid.shape[0] != 1 or not bool(valid.all()):
+        return False
+    return any(c.causal or c.mask is not None or c.softcap is not None for c in captured)
+
+
+def layer_inputs(captured) -> list[LayerInputs]:
+    """One window's captured layers as the streamed analysis' inputs (batch item 0)."""
+    out = []
+    for c in captured:
+        mask = None if c.mask is None or bool(c.mask.all()) else c.mask[0]
+        out.append(LayerInputs(query=c.query[0], key=c.key_heads[0], mask=mask, causal=c.causal,
+                                        scale=c.scaling, softcap=c.softcap, sliding_window=c.sliding_window))
+    return out
+
+
+def streamed_analysis(captured, variants, params, specials, hook=None):
+    """(weights {variant: HeadMaps (L, H, N, N), per head on access}, row sums or None) of one window,
+    streamed: no layer's (H, N, N) is held (docs/ANALYSIS.md §8)."""
+    window = StreamedWindow(layer_inputs(captured), variants, params)
+    from attnlab.hf.compute.causal_forward import CausalLayerwise
+    from attnlab.hf.compute.head_maps import HeadMaps
+
+    # the layers whose kernel sums the capture forward took (attnlab/hf/compute/causal_forward.py)
+    done = hook.done if isinstance(hook, CausalLayerwise) else ()
+    sums = None if specials is None else stream_sums(
+        window.layers, variants, params, specials, out=hook.out if done else None, done=done)
+
+    def head(variant):
+        return lambda layer, h: window.head(variant, layer, h)
+
+    weights = {v: HeadMaps(v, window.shape, head(v), sinks=window.sink_parts, window=window)
+               for v in variants}
+    return weights, sums

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from attnlab.hf.capture.interface import CapturedLayer, capture_qk, check_settings, use_variant
-from attnlab.hf.compute import causal_kernel, fused_sums, mixed, streamed, tiles
+from attnlab.hf.compute import causal_kernel, fused_sums, mixed, streamed
 from attnlab.hf.compute.fused_sums import ROW_SUMS  # noqa: F401  (re-exported)
 from attnlab.hf.compute.head_maps import HeadMaps
 from attnlab.hf.compute.layers import (  # noqa: F401  (re-exported)
@@ -177,8 +177,8 @@ def _recompute_with_sums(loaded, input_ids, attention_mask, variants, given, spe
     first = captured[0].query  # (B, H, N, D)
     scale = [c.scaling for c in captured]
     params = {v: check_params(v, given, causal=causal) for v in variants}
-    if streamed_window(captured, valid) and (specials is not None or lazy):  # bounded memory, per head
-        return _streamed(captured, variants, params, specials, hook)
+    if streamed.streamed_window(captured, valid) and (specials is not None or lazy):  # bounded, per head
+        return streamed.streamed_analysis(captured, variants, params, specials, hook)
     masks = [_layer_mask(c, valid) for c in captured]
     unmasked = not causal and all(m is None for m in masks)
     if unmasked and (specials is not None or lazy) and first.shape[0] == 1 and first.device.type == "cpu":
@@ -188,8 +188,8 @@ def _recompute_with_sums(loaded, input_ids, attention_mask, variants, given, spe
             return fused()
         # the fused variants fused, the others streamed (attnlab/hf/compute/mixed.py)
         materialize = functools.partial(_materialized, captured, qk, masks, False, params=params, given=given)
-        return mixed.split_window(variants, plan, lambda: layer_inputs(captured), params, specials, fused,
-                                  materialize)
+        return mixed.split_window(variants, plan, lambda: streamed.layer_inputs(captured), params, specials,
+                                  fused, materialize)
     plan = _fused_plan(variants, params) if unmasked else None
     if plan is not None:  # every variant from one score matrix per layer, in its slot
         u, iters = _slot_params(plan, params)
@@ -233,44 +233,6 @@ def _fused_lazily(captured, qk, scale, plan, params, specials, hook) -> tuple[La
     weights, sums = _lazy_with_sums(qk, scale, plan, u_l, iters, specials, done)
     if sums is not None and plan.get("unas", "unas") != "unas":  # the js reference is unas by name
         sums = {v: {**raw, "js": None} for v, raw in sums.items()}
-    return weights, sums
-
-
-def streamed_window(captured, valid) -> bool:
-    """Whether one window takes the streamed analysis (attnlab/hf/compute/streamed.py): B = 1 and some
-    layer masks (causal, sliding window, a mask) or softcaps; unmasked bidirectional windows keep the
-    fused analysis."""
-    if valid.shape[0] != 1 or not bool(valid.all()):
-        return False
-    return any(c.causal or c.mask is not None or c.softcap is not None for c in captured)
-
-
-def layer_inputs(captured) -> list[tiles.LayerInputs]:
-    """One window's captured layers as the streamed analysis' inputs (batch item 0)."""
-    out = []
-    for c in captured:
-        mask = None if c.mask is None or bool(c.mask.all()) else c.mask[0]
-        out.append(tiles.LayerInputs(query=c.query[0], key=c.key_heads[0], mask=mask, causal=c.causal,
-                                        scale=c.scaling, softcap=c.softcap, sliding_window=c.sliding_window))
-    return out
-
-
-def _streamed(captured, variants, params, specials, hook=None):
-    """(weights {variant: HeadMaps (L, H, N, N), per head on access}, row sums or None) of one window,
-    streamed: no layer's (H, N, N) is held (docs/ANALYSIS.md §8)."""
-    window = streamed.StreamedWindow(layer_inputs(captured), variants, params)
-    from attnlab.hf.compute.causal_forward import CausalLayerwise
-
-    # the layers whose kernel sums the capture forward took (attnlab/hf/compute/causal_forward.py)
-    done = hook.done if isinstance(hook, CausalLayerwise) else ()
-    sums = None if specials is None else streamed.stream_sums(
-        window.layers, variants, params, specials, out=hook.out if done else None, done=done)
-
-    def head(variant):
-        return lambda layer, h: window.head(variant, layer, h)
-
-    weights = {v: HeadMaps(v, window.shape, head(v), sinks=window.sink_parts, window=window)
-               for v in variants}
     return weights, sums
 
 
