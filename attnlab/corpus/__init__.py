@@ -5,9 +5,14 @@
     result.summary()      # pandas: per variant, layer, head, statistic: mean, quantiles, 95 % CI
     result.rows           # the Parquet dataset of rows (a directory of shards)
 
+With ``index=True`` (``attnlab corpus --index``) the run also writes a token index (``out/index/``,
+attnlab/corpus/index.py) that :func:`attnlab.corpus.search.search` reads: the nearest tokens of the
+corpus to a token, by last hidden state or by received-mass profile.
+
 Modules: ``sources`` (documents), ``token_classes`` (attention received per key class), ``rows``
 (one shard analysed), ``job`` (manifest, counting pass, resume, local engine), ``ray_engine``
-(ray.data map_batches), ``summary`` (over documents), ``cli`` (``attnlab corpus``).
+(ray.data map_batches), ``summary`` (over documents), ``index`` (the token index written beside the
+rows), ``search`` (nearest tokens in it), ``cli`` (``attnlab corpus``).
 """
 
 from __future__ import annotations
@@ -77,7 +82,8 @@ def analyze_corpus(source, model=None, variants=None, mode: str = "recompute", *
                    max_docs: int | None = None, text_column: str = "text", id_column: str | None = None,
                    engine: str = "local", ray_address: str | None = None, workers: int = 1,
                    shard_docs: int = 8, bootstrap: int = 1000, seed: int = 0, overwrite: bool = False,
-                   device=None, progress: bool = False, **variant_params) -> CorpusResult:
+                   device=None, progress: bool = False, index: bool = False, index_dims: int | None = None,
+                   **variant_params) -> CorpusResult:
     """Analyse every document of ``source`` with every variant; rows and summary under ``out``.
 
     Args:
@@ -90,8 +96,13 @@ def analyze_corpus(source, model=None, variants=None, mode: str = "recompute", *
             an existing cluster, else a local Ray is started). shard_docs: documents per shard.
         bootstrap, seed: resamples and seed of the confidence intervals.
         overwrite: replace a run in ``out`` made with other settings (otherwise refused).
+        index: also write the token index (``out/index/``: per text token its document, position,
+            last hidden state and received mass per layer and head; attnlab/corpus/index.py), which
+            :func:`attnlab.corpus.search.search` reads; index_dims: project the hidden states to this
+            many dimensions (a fixed random projection; None: the model's width, exact to float16).
     """
     from attnlab.corpus import job
+    from attnlab.corpus.index import index_settings
     from attnlab.corpus.summary import summarize
     from attnlab.corpus.variants import resolve
 
@@ -106,6 +117,10 @@ def analyze_corpus(source, model=None, variants=None, mode: str = "recompute", *
     _check_int("max_docs", max_docs, 1, allow_none=True)
     _check_int("bootstrap", bootstrap, 1)
     _check_int("seed", seed, 0)
+    if not isinstance(index, bool):
+        raise ValueError(f"index must be True or False, got {index!r}")
+    if index_dims is not None and not index:
+        raise ValueError(f"index_dims={index_dims!r} needs index=True")
     from attnlab.hf import load_model
 
     info = load_model(model, device="cpu").info  # cached; causal models change variant defaults
@@ -113,7 +128,7 @@ def analyze_corpus(source, model=None, variants=None, mode: str = "recompute", *
     settings = job.CorpusSettings(
         model=None if model is None else str(Path(model).resolve()), variants=names, params=full,
         mode=mode, window=window, overlap=overlap, max_docs=max_docs, shard_docs=shard_docs,
-        bootstrap=bootstrap, seed=seed,
+        bootstrap=bootstrap, seed=seed, index=index_settings(names, index_dims) if index else None,
     )
     cluster = None
     if engine == "ray":  # fail fast (unreachable address) before the counting pass

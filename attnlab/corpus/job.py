@@ -6,6 +6,8 @@ Layout of a run directory ``out``::
                          windowing, shards, versions, documents and tokens, skipped documents and why
     token_counts.npy     corpus frequency of every token id (the counting pass; frequency bins)
     rows/shard-NNNNN.parquet   the rows of documents [N * shard_docs, (N + 1) * shard_docs)
+    index/shard-NNNNN.parquet  with ``index``: one row per text token of the same documents
+                               (attnlab/corpus/index.py; written before the rows' shard)
     summary.parquet, summary.csv   per (variant, layer, head, statistic) over documents (summary.py)
     progress.json        documents / tokens done, tokens/s, ETA (read by the app)
 
@@ -27,7 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from attnlab.corpus.rows import analyse_documents, shard_path, write_shard
+from attnlab.corpus.index import FOLDER as INDEX
+from attnlab.corpus.rows import analyse_shard, shard_path, write_outputs
 from attnlab.corpus.sources import PART_CHARS, Source, open_source
 
 __all__ = ["CorpusSettings", "CorpusRun", "prepare", "run_local", "FORMAT"]
@@ -36,7 +39,7 @@ FORMAT = "attnlab-corpus/1"
 MANIFEST = "manifest.json"
 COUNTS = "token_counts.npy"
 PROGRESS = "progress.json"
-OUR_FILES = (MANIFEST, COUNTS, PROGRESS, "summary.parquet", "summary.csv", "rows")
+OUR_FILES = (MANIFEST, COUNTS, PROGRESS, "summary.parquet", "summary.csv", "rows", INDEX)
 
 
 @dataclass(frozen=True)
@@ -55,10 +58,13 @@ class CorpusSettings:
     part_chars: int = PART_CHARS  # a document is analysed in parts of this many characters
     bootstrap: int = 1000  # bootstrap resamples of documents (summary)
     seed: int = 0  # bootstrap seed
+    index: dict | None = None  # the token index's settings (attnlab.corpus.index.index_settings); None: none
 
     def as_dict(self) -> dict:
         d = asdict(self)
         d["variants"] = list(self.variants)
+        if d["index"] is None:  # runs from before the index resume unchanged
+            del d["index"]
         return d
 
 
@@ -83,12 +89,15 @@ class CorpusRun:
         return self.documents[shard * s : (shard + 1) * s]
 
     def pending(self) -> list[int]:
-        return [k for k in range(self.n_shards) if not shard_path(self.out, k).is_file()]
+        """Shards without their rows (or, with an index, without their index shard)."""
+        indexed = self.settings.index is not None
+        return [k for k in range(self.n_shards) if not shard_path(self.out, k).is_file()
+                or (indexed and not shard_path(self.out, k, INDEX).is_file())]
 
     def row_settings(self) -> dict:
         s = self.settings
         return {"variants": list(s.variants), "mode": s.mode, "params": s.params, "window": s.window,
-                "overlap": s.overlap, "n_bins": s.n_bins}
+                "overlap": s.overlap, "n_bins": s.n_bins, "index": s.index}
 
     def texts(self, shards: list[int]):
         """(shard, [(doc_index, doc_id, parts)]) for ``shards`` (sorted), reading the source once."""
@@ -193,7 +202,7 @@ def prepare(source, out, settings: CorpusSettings, *, text_column="text", id_col
                              "choose an empty or new directory")
         _clear(out)
     out.mkdir(parents=True, exist_ok=True)
-    for stray in (out / "rows").glob(".*.tmp") if (out / "rows").is_dir() else ():
+    for stray in [p for d in ("rows", INDEX) if (out / d).is_dir() for p in (out / d).glob(".*.tmp")]:
         stray.unlink(missing_ok=True)  # a shard being written when the last run was killed
     manifest = old if old.get("documents") is not None and (out / COUNTS).is_file() else None
     if manifest is None:
@@ -317,11 +326,13 @@ class Progress:
 
 def run_local(run: CorpusRun, progress: bool = False, score=None) -> dict:
     """Analyse the pending shards one after the other in this process; -> {"shards", "tokens", "s"}.
-    ``score(docs) -> (table, tokens)`` computes one shard's rows (default: the corpus rows; attnlab
-    swap-eval passes its own)."""
+    ``score(docs) -> (table, tokens)`` computes one shard's rows (default: the corpus rows and, when
+    the run has one, its token index; attnlab swap-eval passes its own)."""
+    index = {}  # "last": the token index of the shard just scored (the default score, with an index)
     if score is None:
         def score(docs):
-            return analyse_documents(run.loaded, docs, run.row_settings(), run.bins)
+            rows, index["last"], n_tokens = analyse_shard(run.loaded, docs, run.row_settings(), run.bins)
+            return rows, n_tokens
     pending = run.pending()
     bar = Progress(run, pending, progress, "local")
     tokens = 0
@@ -329,7 +340,7 @@ def run_local(run: CorpusRun, progress: bool = False, score=None) -> dict:
     try:
         for shard, docs in run.texts(pending):
             table, n_tokens = score(docs)
-            write_shard(run.out, shard, table)
+            write_outputs(run.out, shard, table, index.pop("last", None))
             tokens += n_tokens
             bar.shard_done(shard, n_tokens)
     except BaseException:

@@ -1,11 +1,12 @@
 """``--engine ray``: the same shards, computed by ``ray.data`` ``map_batches`` on an actor pool.
 
 Each actor (:class:`ShardAnalyzer`, a callable class) loads the model once, then analyses one shard
-per batch with :func:`attnlab.corpus.rows.analyse_documents` -- the function the local engine calls --
-and writes it to ``out/rows/`` with the same atomic rename, so the rows, and hence the summary, are
-those of ``--engine local``. The driver ships the text of the pending shards as dataset items and
-reads back one small record per shard (progress). A killed actor is restarted by Ray and its shard
-retried (``max_restarts`` / ``max_task_retries``); a shard written twice has the same content.
+per batch with :func:`attnlab.corpus.rows.analyse_shard` -- the function the local engine calls --
+and writes it to ``out/rows/`` (and its token index to ``out/index/``) with the same atomic rename,
+so the rows, and hence the summary, are those of ``--engine local``. The driver ships the text of
+the pending shards as dataset items and reads back one small record per shard (progress). A killed
+actor is restarted by Ray and its shard retried (``max_restarts`` / ``max_task_retries``); a shard
+written twice has the same content.
 
 Without ``ray_address`` a local Ray is started (``ray.init(num_cpus=workers)``); with it the driver
 joins that cluster, whose workers must see ``out`` (a shared file system) and have attnlab installed.
@@ -130,7 +131,7 @@ class ShardAnalyzer:
             open(os.path.join(marker, f"{os.getpid()}.pid"), "w").close()
 
     def __call__(self, batch: dict) -> dict:
-        from attnlab.corpus.rows import analyse_documents, write_shard
+        from attnlab.corpus.rows import analyse_shard, write_outputs
         from attnlab.corpus.sources import split_parts
 
         out = {"shard": [], "tokens": [], "pid": [], "ready": [], "begin": [], "end": [], "cpu": []}
@@ -138,8 +139,8 @@ class ShardAnalyzer:
         for shard, docs_json in zip(batch["shard"], batch["docs"], strict=True):
             begin, cpu = time.time(), time.process_time()
             docs = [(i, doc_id, split_parts(text, part_chars)) for i, doc_id, text in json.loads(docs_json)]
-            table, n_tokens = analyse_documents(self.loaded, docs, self.settings, self.bins)
-            write_shard(self.out, int(shard), table)
+            table, index, n_tokens = analyse_shard(self.loaded, docs, self.settings, self.bins)
+            write_outputs(self.out, int(shard), table, index)  # the token index first, then the rows
             for key, value in (("shard", int(shard)), ("tokens", n_tokens), ("pid", os.getpid()),
                                ("ready", self.ready), ("begin", begin), ("end", time.time()),
                                ("cpu", time.process_time() - cpu)):

@@ -17,7 +17,7 @@ import numpy as np
 from attnlab.corpus.sources import split_parts
 from attnlab.corpus.token_classes import class_statistics_from_masses, key_classes
 
-__all__ = ["SCHEMA", "analyse_documents", "write_shard", "shard_path"]
+__all__ = ["SCHEMA", "analyse_documents", "analyse_shard", "write_shard", "write_outputs", "shard_path"]
 
 
 def _schema():
@@ -46,12 +46,13 @@ def schema():
     return SCHEMA
 
 
-def _window_columns(result, bins, n_bins) -> dict[str, np.ndarray]:
-    """Columns variant, layer, head, statistic, value of one WindowResult (V*L*H*S rows)."""
+def _window_columns(result, masses, bins, n_bins) -> dict[str, np.ndarray]:
+    """Columns variant, layer, head, statistic, value of one WindowResult (V*L*H*S rows); ``masses``
+    its column masses {variant: (L, H, N)} (``result.column_masses()``, taken once per window)."""
     frame = result.table()  # variant, layer, head, statistic, value (+ window)
     w = result.window
     names, classes = key_classes(w.tokens, w.input_ids, w.special, w.punctuation, bins, n_bins)
-    extra = class_statistics_from_masses(result.column_masses(), len(w.tokens), names, classes)
+    extra = class_statistics_from_masses(masses, len(w.tokens), names, classes)
     variants = list(result.weights)
     stat_names, first = extra[variants[0]]
     L, H, S = first.shape
@@ -75,28 +76,42 @@ def analyse_documents(loaded, documents: Iterable[tuple[int, str, Iterable[str]]
     """-> (rows, window tokens): a pyarrow Table of :func:`schema` for ``documents`` = (doc_index,
     doc_id, parts), and the tokens of all its windows (special tokens and overlaps included).
 
-    ``settings``: the run's settings (variants, mode, params, window, overlap, n_bins).
-    ``on_window(n_tokens)`` is called after every window (progress). The columns of every window are
-    numpy arrays, joined and turned into one Arrow table per call (per shard).
+    ``settings``: the run's settings (variants, mode, params, window, overlap, n_bins; ``index``, a
+    dict or None, is left to :func:`analyse_shard`). ``on_window(n_tokens)`` is called after every
+    window (progress). The columns of every window are numpy arrays, joined and turned into one
+    Arrow table per call (per shard).
     """
+    rows, _, window_tokens = analyse_shard(loaded, documents, {**settings, "index": None}, bins, on_window)
+    return rows, window_tokens
+
+
+def analyse_shard(loaded, documents: Iterable[tuple[int, str, Iterable[str]]], settings: dict,
+                  bins: np.ndarray | None, on_window=None):
+    """-> (rows, index or None, window tokens): :func:`analyse_documents`'s rows and, when
+    ``settings["index"]`` is set, the token index of the same windows (attnlab/corpus/index.py),
+    from the same analysis pass (the column masses are taken once per window for both)."""
     import pyarrow as pa
 
+    from attnlab.corpus.index import IndexBlocks, owned_ranges
     from attnlab.hf import stream_analysis
 
     params = settings["params"]
+    index = IndexBlocks(loaded, settings["index"]) if settings.get("index") else None
     blocks: dict[str, list[np.ndarray]] = {name: [] for name in schema().names}
     doc_ids: list[str] = []
     window_tokens = 0
     for doc_index, doc_id, parts in documents:
-        window_base = 0
+        window_base = token_base = 0
         doc_ids.append(doc_id)
         for part in parts:
             if not part.strip():
                 continue
             stream = stream_analysis(part, loaded, settings["variants"], settings["mode"],
                                      window=settings["window"], overlap=settings["overlap"], **params)
+            owned = owned_ranges(stream.windowing)
             for result in stream:
-                cols = _window_columns(result, bins, settings["n_bins"])
+                masses = result.column_masses()  # {variant: (L, H, N)}, once for rows and index
+                cols = _window_columns(result, masses, bins, settings["n_bins"])
                 n = len(cols["value"])
                 n_tokens = len(result.tokens)
                 cols["doc_index"] = np.full(n, doc_index, np.int32)
@@ -105,35 +120,52 @@ def analyse_documents(loaded, documents: Iterable[tuple[int, str, Iterable[str]]
                 cols["n_tokens"] = np.full(n, n_tokens, np.int32)
                 for name, values in cols.items():
                     blocks[name].append(values)
+                if index is not None:
+                    index.add_window(result, masses, owned[result.index], doc_index, doc_id,
+                                     window_base + result.index, token_base, part)
                 window_tokens += n_tokens
                 if on_window is not None:
                     on_window(n_tokens)
             window_base += len(stream)
+            token_base += stream.windowing.n_tokens
+    info = loaded.info
+    index_table = None if index is None else index.table(info.n_layers, info.n_heads)
     if not blocks["value"]:
-        return schema().empty_table(), window_tokens
+        return schema().empty_table(), index_table, window_tokens
     columns = {name: np.concatenate(values) for name, values in blocks.items()}
     columns["doc_id"] = np.asarray(doc_ids, dtype=object)[columns["doc_id"]]
     arrays = [pa.array(columns[f.name], f.type) for f in schema()]
-    return pa.Table.from_arrays(arrays, schema=schema()), window_tokens
+    return pa.Table.from_arrays(arrays, schema=schema()), index_table, window_tokens
 
 
 def document_parts(text: str, part_chars: int):
     return split_parts(text, part_chars)
 
 
-def shard_path(out: str | os.PathLike, shard: int) -> Path:
-    return Path(out) / "rows" / f"shard-{shard:05d}.parquet"
+def shard_path(out: str | os.PathLike, shard: int, folder: str = "rows") -> Path:
+    return Path(out) / folder / f"shard-{shard:05d}.parquet"
 
 
-def write_shard(out: str | os.PathLike, shard: int, table) -> Path:
+def write_shard(out: str | os.PathLike, shard: int, table, folder: str = "rows") -> Path:
     """Write a shard atomically: a temporary file renamed into place (a kill leaves no partial shard)."""
     import pyarrow.parquet as pq
 
-    path = shard_path(out, shard)
+    path = shard_path(out, shard, folder)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    pq.write_table(table, tmp, compression="zstd", use_dictionary=["doc_id", "variant", "statistic"])
+    dictionary = [c for c in ("doc_id", "variant", "statistic", "token", "text") if c in table.column_names]
+    pq.write_table(table, tmp, compression="zstd", use_dictionary=dictionary)
     with open(tmp, "rb") as fh:
         os.fsync(fh.fileno())
     os.replace(tmp, path)
     return path
+
+
+def write_outputs(out: str | os.PathLike, shard: int, rows, index=None) -> None:
+    """A shard's index (when there is one) and then its rows, each atomically: the rows file marks the
+    shard done, so a kill between the two leaves the shard pending, to be written again whole."""
+    from attnlab.corpus.index import FOLDER
+
+    if index is not None:
+        write_shard(out, shard, index, FOLDER)
+    write_shard(out, shard, rows)
