@@ -5,6 +5,12 @@ Outputs, in the same ``--out`` folder (listed in manifest.json's ``files``; sett
 
     statistics.csv, summary.*  --contributions adds the rows of attnlab.contributions.CONTRIBUTION_STATISTICS
     sinks.csv                  --sinks: attnlab.sinks.SINK_STATISTICS per window/variant/layer/head
+    sink_rate.csv              --sinks: window, variant, layer, eps, sink_rate (share of heads whose
+                               causal-corrected importance of key 0 exceeds --sink-eps; Gu et al. 2024)
+    sink_importance.csv        --sinks: window, variant, layer, head, key, token, importance of the first
+                               FIRST_KEYS keys (sum_i pi_ij / queries that may attend j; Gu et al. 2024)
+    massive_activations.csv    --sinks, Hugging Face models: window, layer, max_abs, token_index, token,
+                               dim, median_abs, ratio (one plain forward per window; Sun et al. 2024)
     flow.npz                   --flow: one (n_outputs, N) array per variant, outputs, tokens, window
     interventions.csv          --interventions VARIANT: window, variant, layer, head, measure, value
     faithfulness.csv           --faithfulness: window, variant, measure, tau, p_value, n_tokens
@@ -22,6 +28,7 @@ from pathlib import Path
 __all__ = ["add_arguments", "check", "requested", "preflight", "per_window", "finish", "manifest_settings"]
 
 SINK_CHOICES = ("first", "special", "first+special")  # = attnlab.sinks.SINK_CHOICES (no torch import here)
+FIRST_KEYS = 16  # keys per (layer, head) in sink_importance.csv (= attnlab.figures.sinks.FIRST_KEYS)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +42,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--sinks",
         action="store_true",
-        help="attention sinks: sinks.csv (sink mass, statistics without sinks)",
+        help="attention sinks: sinks.csv (sink mass, statistics without sinks), sink_rate.csv, "
+        "sink_importance.csv, massive_activations.csv",
+    )
+    add(
+        "--sink-eps",
+        type=float,
+        default=0.3,
+        metavar="EPS",
+        help="a head is a sink when the importance of key 0 exceeds EPS (sink_rate.csv; Gu et al. 2024: 0.3)",
     )
     add(
         "--sink-keys",
@@ -77,6 +92,8 @@ def requested(args) -> bool:
 
 def check(args, error) -> None:
     """Flag checks before any heavy work; ``error``: the CLI's InputError class."""
+    if not 0 <= args.sink_eps <= 1:  # (also refuses NaN)
+        raise error(f"--sink-eps must be a number in [0, 1], got {args.sink_eps}")
     if args.window_index < 0:
         raise error(f"--window-index must be >= 0, got {args.window_index}")
     if args.flow_outputs is not None:
@@ -105,6 +122,7 @@ def preflight(args, stream, error) -> list[str]:
         )
     n0 = min(w.content, w.n_tokens - w.starts[k]) + (w.window - w.content)  # tokens of window k
     notes = []
+    args._loaded = stream.loaded  # massive activations: one plain forward per window (per_window)
     if args.interventions is not None and args.interventions not in VARIANTS:
         raise error(f"--interventions must be one of {','.join(VARIANTS)}, got {args.interventions!r}")
     if args.flow:
@@ -141,7 +159,41 @@ def per_window(args, result, tmp: Path, first: bool) -> list[str]:
     if not args.sinks:
         return []
     result.sinks(which=args.sink_keys).to_csv(tmp / "sinks.csv", mode="a", header=first, index=False)
-    return ["sinks.csv"] if first else []
+    names = ["sinks.csv", *_literature_sinks(args, result, tmp, first)]
+    return names if first else []
+
+
+def _literature_sinks(args, result, tmp: Path, first: bool) -> list[str]:
+    """sink_rate.csv, sink_importance.csv (Gu et al. 2024) and massive_activations.csv (Sun et al. 2024)
+    rows of one window, appended; -> the files this window writes."""
+    import numpy as np
+    import pandas as pd
+
+    from attnlab.hf.beyond.activations import activations_table
+    from attnlab.hf.load.native import NativeModel
+
+    k, eps = result.window.index, args.sink_eps
+    rates = result.sink_rate(eps=eps)  # {variant: (L,)}
+    pd.concat([pd.DataFrame({"window": k, "variant": v, "layer": np.arange(len(r)), "eps": eps,
+                             "sink_rate": r.numpy()}) for v, r in rates.items()]).to_csv(
+        tmp / "sink_rate.csv", mode="a", header=first, index=False)
+    parts = []
+    for v, imp in result.sink_importance().items():  # (L, H, N)
+        L, H, N = imp.shape
+        n = min(FIRST_KEYS, N)
+        parts.append(pd.DataFrame({
+            "window": k, "variant": v, "layer": np.repeat(np.arange(L), H * n),
+            "head": np.tile(np.repeat(np.arange(H), n), L), "key": np.tile(np.arange(n), L * H),
+            "token": np.tile(np.asarray(result.tokens[:n], dtype=object), L * H),
+            "importance": imp[..., :n].double().reshape(-1).numpy()}))
+    pd.concat(parts).to_csv(tmp / "sink_importance.csv", mode="a", header=first, index=False)
+    loaded = getattr(args, "_loaded", None)
+    if loaded is None or isinstance(loaded, NativeModel):  # attnlab's own checkpoints: no hooks on layers
+        return ["sink_rate.csv", "sink_importance.csv"]
+    table = activations_table(loaded, result.window.input_ids)
+    table.insert(0, "window", k)
+    table.to_csv(tmp / "massive_activations.csv", mode="a", header=first, index=False)
+    return ["sink_rate.csv", "sink_importance.csv", "massive_activations.csv"]
 
 
 def finish(args, stream, result, tmp: Path) -> tuple[list[str], list[str], dict]:
@@ -162,6 +214,7 @@ def finish(args, stream, result, tmp: Path) -> tuple[list[str], list[str], dict]
     k = result.window.index
     if args.sinks:
         figures["sinks"] = fig.sink_mass_by_layer(pd.read_csv(tmp / "sinks.csv")).figure
+        figures.update(_sink_figures(args, tmp, k))
     if args.flow:
         outputs = args.flow_outputs or list(range(len(result.tokens)))
         arrays = {v: flow.attention_flow(w, outputs).numpy() for v, w in result.weights.items()}
@@ -194,6 +247,30 @@ def finish(args, stream, result, tmp: Path) -> tuple[list[str], list[str], dict]
     return written, notes, figures
 
 
+def _sink_figures(args, tmp: Path, k: int) -> dict:
+    """Window ``k``'s sink rate per layer, each variant's importance of the first keys (mean over
+    heads) and, when measured, the massive activations per layer: {name: plotly figure}."""
+    import pandas as pd
+
+    from attnlab.figures import sinks as fig
+
+    rate = pd.read_csv(tmp / "sink_rate.csv")
+    rate = rate[rate.window == k]
+    per = {v: p.sort_values("layer").sink_rate.to_numpy() for v, p in rate.groupby("variant", sort=False)}
+    out = {"sink_rate": fig.sink_rate_by_layer(per, args.sink_eps).figure}
+    imp = pd.read_csv(tmp / "sink_importance.csv", keep_default_na=False, na_values=[""])
+    imp = imp[imp.window == k]
+    for v, part in imp.groupby("variant", sort=False):
+        L, H, n = part.layer.max() + 1, part["head"].max() + 1, part.key.max() + 1
+        tokens = part[(part.layer == 0) & (part["head"] == 0)].sort_values("key").token.astype(str).tolist()
+        cube = part.sort_values(["layer", "head", "key"]).importance.to_numpy().reshape(L, H, n)
+        out[f"sink_importance_{v}"] = fig.importance_by_layer(cube, tokens, v, keys=n).figure
+    if (tmp / "massive_activations.csv").exists():
+        act = pd.read_csv(tmp / "massive_activations.csv", keep_default_na=False, na_values=[""])
+        out["massive_activations"] = fig.massive_activations_by_layer(act[act.window == k]).figure
+    return out
+
+
 def _scalars(params) -> dict:
     """The variant parameters given as numbers (a per-head u tensor applies to the analysis only)."""
     return {k: v for k, v in (params or {}).items() if not hasattr(v, "shape")}
@@ -203,6 +280,7 @@ def manifest_settings(args) -> dict:
     return {
         "contributions": bool(args.contributions),
         "sinks": args.sink_keys if args.sinks else None,
+        "sink_eps": args.sink_eps if args.sinks else None,
         "flow_outputs": (args.flow_outputs or "all") if args.flow else None,
         "interventions": args.interventions,
         "faithfulness": bool(args.faithfulness),

@@ -32,7 +32,10 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
 SENTENCE = "Attention lets every word look at every other word; a word nobody looks at is explained away. "
+# one WordPiece token each ("warmup" was "warm" + "##up": the zoom never showed it, and the script
+# waited its 600 s for the first text); text_of refuses a word that is not a single token
 WORDS = "river mountain garden castle forest island".split()
+WARM = "valley"
 SHAPE = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=2048)
 
 
@@ -60,6 +63,9 @@ def build_model(folder: Path, arch: str, positions: int):
 
 def text_of(tokenizer, n: int, word: str) -> str:
     """A text of about ``n`` tokens with [CLS] and [SEP], starting with "Round <word>."."""
+    if tokenizer.tokenize(word) != [word]:
+        raise ValueError(f"word must be one token of the tokenizer (the zoom's labels show tokens), got "
+                         f"{word!r} -> {tokenizer.tokenize(word)}")
     body = SENTENCE * (n // 15 + 2)
     ids = tokenizer(f"Round {word}. {body}", add_special_tokens=False)["input_ids"][: n - 2]
     return tokenizer.decode(ids)
@@ -83,12 +89,17 @@ def forward_seconds(folder: Path, tokenizer, text: str) -> float:
 
 
 def zoom_has(page, word: str, timeout_s: float) -> None:
-    """Wait until a plotly chart (the zoomed region) has ``word`` among its query labels."""
+    """Wait until a plotly chart (the zoomed region) has the token ``word`` among its query labels
+    ("2: word"); an error on the page ends the wait at once, with its message."""
     page.wait_for_function(
-        """word => [...document.querySelectorAll('.js-plotly-plot')].some(
+        """word => document.querySelector('[data-testid="stException"]')
+               || [...document.querySelectorAll('.js-plotly-plot')].some(
                d => d.data && d.data[0] && Array.isArray(d.data[0].y)
-                    && d.data[0].y.some(t => String(t).includes(word)))""",
+                    && d.data[0].y.some(t => String(t).endsWith(': ' + word)))""",
         arg=word, timeout=timeout_s * 1000)
+    error = page.query_selector('[data-testid="stException"]')
+    if error is not None:
+        raise RuntimeError(f"the page failed: {error.inner_text()[:2000]}")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -107,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / f"long-{args.arch}"
         tokenizer = build_model(folder, args.arch, max(args.tokens))
-        result["forward_s"] = {n: forward_seconds(folder, tokenizer, text_of(tokenizer, n, "warm"))
+        result["forward_s"] = {n: forward_seconds(folder, tokenizer, text_of(tokenizer, n, WARM))
                                for n in args.tokens}
         os.environ["ATTNLAB_MODEL_ROOTS"] = tmp
         os.environ["ATTNLAB_APP_MAX_TOKENS"] = str(max(args.tokens) + 16)
@@ -119,8 +130,8 @@ def main(argv: list[str] | None = None) -> dict:
             box = page.get_by_label("Text", exact=True)
             result["text_change_s"] = {}
             for n in args.tokens:
-                tb._set_text(page, text_of(tokenizer, n, "warmup"))  # the first run of a length: not timed
-                zoom_has(page, "warmup", 600)
+                tb._set_text(page, text_of(tokenizer, n, WARM))  # the first run of a length: not timed
+                zoom_has(page, WARM, 600)
                 tb._idle(page, 600)
                 times = []
                 for word in WORDS[: args.repeat]:

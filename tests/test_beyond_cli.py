@@ -56,7 +56,8 @@ def test_every_beyond_output_is_written_and_listed(tmp_path, capsys, tiny_model_
     assert rc == 0, err
     manifest = json.loads((out / "manifest.json").read_text())
     files = set(manifest["files"])
-    assert {"sinks.csv", "flow.npz", "interventions.csv", "faithfulness.csv"} <= files
+    assert {"sinks.csv", "flow.npz", "interventions.csv", "faithfulness.csv", "sink_rate.csv",
+            "sink_importance.csv", "massive_activations.csv"} <= files
     assert {
         f"figures/{n}.html" for n in ("contributions", "sinks", "flow", "interventions", "faithfulness")
     } <= files
@@ -64,6 +65,7 @@ def test_every_beyond_output_is_written_and_listed(tmp_path, capsys, tiny_model_
     assert manifest["settings"]["beyond"] == {
         "contributions": True,
         "sinks": "first+special",
+        "sink_eps": 0.3,
         "flow_outputs": [0, 3],
         "interventions": "dnas",
         "faithfulness": True,
