@@ -11,6 +11,10 @@ Outputs (all in ``--out``, which appears only when everything is written; see do
                        also "<variant>.phi", "<variant>.theta", "<variant>.brain_<b>" ...)
     figures/           HTML always (+ plotly.min.js); PNG/SVG/PDF when Chromium is available (else a note)
 
+An encoder-decoder (T5, BART, mBART, Pegasus, Marian) reads FILE.txt as its source and ``--target``
+(a text, or a file holding it) as what its decoder reads: the folder holds each kind of attention
+(encoder, decoder, cross) instead (attnlab/analyze_seq2seq.py).
+
 Bad input (missing, empty, binary, non-UTF-8 or oversized file; a directory that is not a model) ends
 with a one-line message on stderr and exit status 2; nothing is left behind.
 """
@@ -49,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="local model directory written by save_pretrained, or a native attnlab checkpoint (a run or "
         "step directory of `attnlab train`, e.g. checkpoints/enc-hnas) (default: the embedded MiniLM-L6)",
     )
+    add("--target", metavar="TEXT|FILE", default=None,
+        help="an encoder-decoder's target: the text its decoder reads (or a UTF-8 file holding it); "
+        "default: the decoder start token alone. Refused for other models")
     add_variant_arguments(parser)  # --variants and --u, --iters, --tol, ... from the registry
     add(
         "--mode",
@@ -206,6 +213,12 @@ def _run(args) -> int:
     u, u_note = _hnas_u(args, loaded.info)
     if u is not None:
         params["u"] = u
+    if loaded.info.encoder_decoder or args.target is not None:  # source and target, three kinds
+        from attnlab.analyze_seq2seq import read_target, run_seq2seq
+
+        target = read_target(args.target, read_text, args.max_mb)
+        return run_seq2seq(args, loaded, text, target, params, variants, formats, out, size, file_sha256,
+                           InputError)
     stream = hf.stream_analysis(
         text, loaded, variants, args.mode, window=args.window, overlap=args.overlap,
         contributions=args.contributions, **params

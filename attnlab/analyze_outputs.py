@@ -186,7 +186,8 @@ def write_figures(
     (directory / "plotly.min.js").write_text(get_plotlyjs(), encoding="utf-8")
     written = ["figures/plotly.min.js"]
     failed = []
-    for name, fig in {**figures_of(result, summary, stream), **(extra or {})}.items():
+    own = figures_of(result, summary, stream) if stream is not None else {}  # None: ``extra`` alone
+    for name, fig in {**own, **(extra or {})}.items():
         for fmt in ("html", *static):
             try:
                 export_figure(fig, directory / f"{name}.{fmt}", include_plotlyjs="directory")

@@ -24,6 +24,8 @@ def architecture_table(archs) -> str:
     for a in archs:
         if a.refused:
             cells = (f"refused: {a.refused}", "—", "—", "—")
+        elif a.seq2seq:
+            cells = ("yes (encoder, decoder, cross)", a.swap, "no", a.masks)
         else:
             analysis = "yes (scores at the module's softmax)" if a.scores else "yes"
             swap = f"{a.swap} (softmax replaced)" if a.scores and a.swap == "yes" else a.swap

@@ -139,10 +139,14 @@ TINY_CONFIGS.update({
                                      attention_types=[[["global", "local"], 1]], window_size=8)),
     "bloom": ("BloomConfig", dict(hidden_size=64, n_layer=2, n_head=4)),
     "falcon": ("FalconConfig", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4)),
+    # encoder-decoders (tests/test_encoder_decoder.py): the RoBERTa-style BPE's ids (<s> 0, <pad> 1, </s> 2)
     "t5": ("T5Config", dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4)),
-    "bart": ("BartConfig", dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-                                decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
-                                max_position_embeddings=_P)),
+    **{key: (cls, dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                       decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+                       max_position_embeddings=_P, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+                       decoder_start_token_id=2, forced_eos_token_id=2))
+       for key, cls in (("bart", "BartConfig"), ("mbart", "MBartConfig"), ("pegasus", "PegasusConfig"),
+                        ("marian", "MarianConfig"))},
     "vit": ("ViTConfig", dict(**_W, image_size=16, patch_size=8)),
 })
 
@@ -161,6 +165,7 @@ class Arch:
     family: str = ""  # hand-built contribution reference of tests/test_architectures.py ("" = none)
     refused: str = ""  # why attnlab refuses it, the words its error uses ("" = analysed)
     scores: bool = False  # attention outside the AttentionInterface: captured at its softmax (scores.py)
+    seq2seq: bool = False  # an encoder-decoder: three kinds of attention (tests/test_encoder_decoder.py)
 
 
 ARCHITECTURES = (
@@ -196,15 +201,19 @@ ARCHITECTURES = (
          family="gpt_neo", scores=True),
     Arch("bloom", "BLOOM", masks="causal, ALiBi", values="declared", family="bloom", scores=True),
     Arch("falcon", "Falcon (multi-query)", masks="causal", values="declared", family="falcon", scores=True),
-    Arch("t5", "T5", refused="encoder-decoder"),
-    Arch("bart", "BART", refused="encoder-decoder"),
+    # encoder-decoders: encoder, decoder (causal) and cross attention (attnlab/hf/capture/seq2seq.py)
+    Arch("t5", "T5", masks="relative position bias; decoder causal", swap="no (position bias)", seq2seq=True),
+    Arch("bart", "BART", masks="padding; decoder causal", seq2seq=True),
+    Arch("mbart", "mBART", masks="padding; decoder causal", seq2seq=True),
+    Arch("pegasus", "Pegasus", masks="padding; decoder causal", seq2seq=True),
+    Arch("marian", "Marian", masks="padding; decoder causal", seq2seq=True),
     Arch("vit", "ViT", refused="vision model"),
 )
 # the BPE tokenizer style of each arch (_bpe_tokenizer's kinds); the others use MiniLM's WordPiece
 _TOKENIZER_KIND = {"gpt2": "gpt2", "roberta": "roberta", "llama": "llama", "mistral": "llama",
                    "gemma2": "llama",
                    **dict.fromkeys(("albert", "electra", "xlm-roberta", "modernbert", "mpnet", "deberta-v2",
-                                    "t5", "bart", "vit"), "roberta"),
+                                    "t5", "bart", "mbart", "pegasus", "marian", "vit"), "roberta"),
                    **dict.fromkeys(("gpt_neox", "gptj", "opt", "codegen", "qwen2", "phi", "phi3", "gemma",
                                     "starcoder2", "granite", "gpt_neo", "bloom", "falcon"), "llama")}
 

@@ -42,6 +42,7 @@ from attnlab.hf.analysis.pipeline import (  # noqa: E402
     hnas_u_from_checkpoint,
     stream_analysis,
 )
+from attnlab.hf.analysis.seq2seq_result import Seq2SeqResult  # noqa: E402
 from attnlab.hf.beyond.activations import massive_activations  # noqa: E402
 from attnlab.hf.beyond.lm_loss import language_model_loss  # noqa: E402
 from attnlab.hf.capture.interface import (  # noqa: E402
@@ -77,6 +78,7 @@ __all__ = [
     "REGISTERED",
     "AnalysisResult",
     "AnalysisStream",
+    "Seq2SeqResult",
     "CapturedLayer",
     "LoadedModel",
     "ModelInfo",

@@ -225,6 +225,10 @@ def stream_analysis(
         raise ValueError("text is empty (or only whitespace); there is nothing to analyse")
     loaded = model_on(model, device)
     info = loaded.info
+    if info.encoder_decoder:  # three kinds of attention over two texts: analyze(text, model, target=...)
+        raise ValueError(f"model {info.name} is an encoder-decoder ({info.model_type}): expected "
+                         "hf.analyze(text, model, target=...) (source and target texts, three kinds of "
+                         "attention), got stream_analysis, which analyses one text in windows")
     variants, given = check_arguments(variants, mode, {"u": u, "iters": iters, **params}, info)
     notes = list(loaded.notes)  # what loading adjusted (e.g. the tokenizer class it loaded)
     if "u" not in given and isinstance(loaded, NativeModel):  # a native HNAS checkpoint's learned u
@@ -278,6 +282,7 @@ def analyze(
     progress: bool = False,
     device=None,
     contributions: bool = False,
+    target: str | None = None,
     **params,
 ) -> AnalysisResult:
     """Attention weights of every variant on a real model, for every layer and head.
@@ -307,11 +312,28 @@ def analyze(
             statistics come back on the CPU either way; ``.device`` says where the model ran.
         contributions: also record each layer's value vectors (``attnlab.hf.capture.values``): the windows get
             ``value_norms``, ``contribution_mass`` and contribution statistics in ``table()``.
+        target: an encoder-decoder's (T5, BART, mBART, Pegasus, Marian) target text, which the decoder
+            reads after its start token while ``text`` is the encoder's source; None: the start token
+            alone. ValueError naming ``target`` for any other model (attnlab/hf/analysis/seq2seq.py).
 
     Returns:
         :class:`AnalysisResult`; ``.weights[variant]`` is (L, H, N, N) for a single-window text; for
-        a GAM checkpoint ``.components[variant]`` holds its maps Phi, Theta and each brain's.
+        a GAM checkpoint ``.components[variant]`` holds its maps Phi, Theta and each brain's. An
+        encoder-decoder gives a :class:`~attnlab.hf.analysis.seq2seq_result.Seq2SeqResult`:
+        ``.weights[kind][variant]`` for the kinds encoder, decoder and cross, ``.table()`` with a
+        ``kind`` column, ``.view(kind)`` one kind as an AnalysisResult.
     """
-    stream = stream_analysis(text, model, variants, mode, u, iters, window=window, overlap=overlap,
-                             device=device, contributions=contributions, **params)
+    loaded = model_on(model, device)
+    if loaded.info.encoder_decoder or target is not None:
+        from attnlab.hf.analysis.seq2seq import analyze_seq2seq, check_target
+
+        check_target(target, loaded.info)  # a target for another kind of model: named
+        unused = {"window": window, "overlap": overlap, "contributions": contributions or None}
+        for name, value in unused.items():
+            if value is not None:
+                raise ValueError(f"{name}: an encoder-decoder's source and target are analysed whole, each "
+                                 f"in one window, without contributions; expected the default, got {value!r}")
+        return analyze_seq2seq(text, loaded, target, variants, mode, u, iters, **params)
+    stream = stream_analysis(text, loaded, variants, mode, u, iters, window=window, overlap=overlap,
+                             contributions=contributions, **params)
     return stream.collect(progress=progress)

