@@ -24,12 +24,10 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
-from attnlab.analyze_outputs import manifest, publish, write_all, write_json
+from attnlab.analyze_outputs import manifest, write_all, write_folder, write_json
 from attnlab.cli_errors import EXIT_BAD_INPUT, EXIT_INTERNAL, error, run_worded  # noqa: F401
 from attnlab.cli_variants import add_variant_arguments, parse_variants, variant_params
 from attnlab.normalizers import check_param
@@ -226,15 +224,12 @@ def _run(args) -> int:
     if u_note:
         stream.notes.append(u_note)
     stream.notes += beyond_cli.preflight(args, stream, InputError) if beyond_cli.requested(args) else []
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    def fill(tmp: Path) -> tuple[list[str], list[str]]:
         written, notes = write_all(args, stream, tmp, formats)
         write_json(tmp / "manifest.json", manifest(args, stream, size, file_sha256, written, notes))
-        publish(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        return written, notes
+
+    written, notes = write_folder(out, fill)
     for note in notes:
         _note(args, note)
     if not args.quiet:

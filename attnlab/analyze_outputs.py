@@ -13,8 +13,8 @@ import shutil
 from pathlib import Path
 
 __all__ = [
-    "EXPLAINED_AWAY_STATISTIC", "publish", "write_json", "write_all", "figures_of", "write_figures",
-    "manifest",
+    "EXPLAINED_AWAY_STATISTIC", "publish", "write_folder", "write_json", "write_all", "figures_of",
+    "write_figures", "manifest", "stamp",
 ]
 
 EXPLAINED_AWAY_STATISTIC = "explained_away_relative"  # m_j * N / M < eps_relative (comparable across N)
@@ -28,6 +28,37 @@ def publish(tmp: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, out)
+
+
+def write_folder(out: Path, fill):
+    """``fill(tmp)`` in a temporary directory beside ``out``, then the directory renamed to ``out``
+    (:func:`publish`); on any failure, also Ctrl-C, it is removed. -> what ``fill`` returned."""
+    import tempfile
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        value = fill(tmp)
+        publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return value
+
+
+def stamp() -> tuple[dict, dict]:
+    """(the manifest's head: attnlab version and time of writing; its versions: python, torch,
+    transformers)."""
+    import torch
+    import transformers
+
+    import attnlab
+
+    head = {"attnlab_version": attnlab.__version__,
+            "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+    versions = {"python": platform.python_version(), "torch": torch.__version__,
+                "transformers": transformers.__version__}
+    return head, versions
 
 
 def write_json(path: Path, obj) -> None:
@@ -205,16 +236,12 @@ def write_figures(
 
 
 def manifest(args, stream, size: int, file_sha256: str, written: list[str], notes: list[str]) -> dict:
-    import torch
-    import transformers
-
-    import attnlab
     from attnlab import beyond_cli
 
     u = stream.u
+    head, versions = stamp()
     return {
-        "attnlab_version": attnlab.__version__,
-        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        **head,
         "input": {
             "file": Path(args.file).name,
             "bytes": size,
@@ -237,9 +264,5 @@ def manifest(args, stream, size: int, file_sha256: str, written: list[str], note
         "windowing": stream.windowing.as_dict(),
         "files": ["manifest.json", *written],
         "notes": notes,
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-        },
+        "versions": versions,
     }

@@ -14,12 +14,10 @@ Pegasus, Marian): the source is the file, the target the text the decoder reads 
 
 from __future__ import annotations
 
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
-from attnlab.analyze_outputs import EXPLAINED_AWAY_STATISTIC, publish, write_figures, write_json
+from attnlab.analyze_outputs import EXPLAINED_AWAY_STATISTIC, stamp, write_figures, write_folder, write_json
 
 __all__ = ["read_target", "run_seq2seq", "figures_by_kind"]
 
@@ -99,17 +97,10 @@ def _write(args, result, tmp: Path, formats) -> tuple[list[str], list[str]]:
 
 
 def _manifest(args, result, size: int, file_sha256: str, written: list[str], notes: list[str]) -> dict:
-    import datetime
-
-    import torch
-    import transformers
-
-    import attnlab
-
     u = result.u
+    head, versions = stamp()
     return {
-        "attnlab_version": attnlab.__version__,
-        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        **head,
         "input": {"file": Path(args.file).name, "bytes": size, "file_sha256": file_sha256,
                   "target": "start token only" if args.target is None else "given",
                   "sha256": result.text_sha256},  # of source and target as analysed
@@ -120,7 +111,7 @@ def _manifest(args, result, size: int, file_sha256: str, written: list[str], not
         "tokens": {"source": len(result.source.tokens), "target": len(result.target.tokens)},
         "files": ["manifest.json", *written],
         "notes": notes,
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "versions": versions,
     }
 
 
@@ -135,15 +126,13 @@ def run_seq2seq(args, loaded, text: str, target: str | None, params: dict, varia
                     f"{loaded.info.name} is an encoder-decoder (source and target): expected none of them")
     result = hf.analyze(text, loaded, variants, args.mode, target=target, window=args.window,
                         overlap=args.overlap, **params)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+
+    def fill(tmp: Path) -> tuple[list[str], list[str]]:
         written, notes = _write(args, result, tmp, formats)
         write_json(tmp / "manifest.json", _manifest(args, result, size, file_sha256, written, notes))
-        publish(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        return written, notes
+
+    written, notes = write_folder(out, fill)
     if not args.quiet:
         for note in notes:
             print(f"attnlab analyze: note: {note}", file=sys.stderr)
