@@ -110,3 +110,70 @@ def test_sink_figures_check_their_inputs():
         fig.massive_activations_by_layer(pd.DataFrame({"layer": [0]}))
     with pytest.raises(ValueError, match="rates must be a non-empty dict"):
         fig.sink_rate_by_layer({}, 0.3)
+
+
+# ----------------------------------------------------------------------------------------------
+# Corpus rows (attnlab/corpus/sink_rows.py)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_corpus_sink_rows_equal_literal_float64(mode, tiny_model_dir, tmp_path):
+    """sink_importance_first and sink_rate per (layer, head), massive_* per layer (head = -1) of each
+    document (one window each on a causal model) against the eager attention and hidden states; the
+    summary's head = -1 row of sink_rate is the layer's sink rate, and massive_* rows keep head = -1."""
+    from attnlab import hf
+    from attnlab.corpus import analyze_corpus
+    from attnlab.corpus.sink_rows import SINK_EPS
+
+    directory = tiny_model_dir("llama")
+    docs = [TEXT, "Another document, shorter. The first token again takes what is left."]
+    root = tmp_path / "docs"
+    root.mkdir()
+    for i, t in enumerate(docs):
+        (root / f"d{i}.txt").write_text(t)
+    result = analyze_corpus(str(root), str(directory), ["unas", "dnas"], mode, out=tmp_path / "run",
+                            bootstrap=10)
+    rows = result.table()
+    loaded = hf.load_model(directory)
+    for index, text in enumerate(docs):
+        ids = hf.stream_analysis(text, loaded, ("unas",)).window(0).window.input_ids
+        a, hidden = _eager(directory, ids)
+        L, H, N, _ = a.shape
+        first = _literal_importance(a)[..., 0]  # (L, H)
+        mine = rows[(rows.doc_index == index) & (rows.variant == "unas")]
+        mine = mine.set_index(["statistic", "layer", "head"]).value
+
+        np.testing.assert_allclose(_grid(mine, "sink_importance_first", L, H), first.numpy(), atol=2e-6)
+        assert np.array_equal(_grid(mine, "sink_rate", L, H), (first.numpy() > SINK_EPS).astype(float))
+        # the first-token mass per (layer, head) is the key-class row received:first_position
+        mass = _grid(mine, "received:first_position", L, H)
+        np.testing.assert_allclose(mass, a[..., 0].mean(-1).numpy(), atol=2e-6)
+        layers = L - 1 if mode == "recompute" else L  # the capture forward stops before the last layer
+        massive = rows[(rows.doc_index == index) & rows.statistic.str.startswith("massive_")]
+        assert set(massive["head"]) == {-1} and sorted(set(massive.layer)) == list(range(layers))
+        for layer in range(min(layers, L - 1)):  # (the last hidden state has the final norm applied)
+            ref = _literal_massive(hidden[layer + 1][0])
+            for v in ("unas", "dnas") if mode == "recompute" else ("unas",):
+                at = massive[(massive.variant == v) & (massive.layer == layer)].set_index("statistic").value
+                assert (at["massive_token"], at["massive_dim"]) == (ref["token_index"], ref["dim"])
+                for k in ("max_abs", "median_abs", "ratio"):
+                    assert at[f"massive_{k}"] == pytest.approx(ref[k], rel=1e-5)
+    summary = result.summary().set_index(["variant", "statistic", "layer", "head"])
+    per_doc = rows[(rows.variant == "unas") & (rows.statistic == "sink_rate") & (rows.layer == 0)]
+    want = per_doc.groupby("doc_index").value.mean().mean()  # the layer's share of sink heads, over documents
+    assert summary.loc[("unas", "sink_rate", 0, -1), "mean"] == pytest.approx(want)
+    m = rows[(rows.variant == "unas") & (rows.statistic == "massive_ratio") & (rows.layer == 0)].value
+    assert summary.loc[("unas", "massive_ratio", 0, -1), "mean"] == pytest.approx(m.mean())
+    assert not summary.index.duplicated().any()
+    from attnlab.figures.corpus import head_heatmap, layer_curves
+
+    one_column = head_heatmap(result.summary(), "massive_ratio", "unas")  # a statistic of whole layers
+    assert one_column.arrays["mean"].shape == (L - 1 if mode == "recompute" else L, 1)
+    assert head_heatmap(result.summary(), "sink_rate", "unas").arrays["mean"].shape == (L, H)
+    layer_curves(result.summary(), ["sink_rate", "massive_ratio"])
+
+
+def _grid(values: pd.Series, statistic: str, L: int, H: int) -> np.ndarray:
+    """(L, H) of one statistic from values indexed by (statistic, layer, head)."""
+    return np.array([[values.loc[(statistic, layer, h)] for h in range(H)] for layer in range(L)])

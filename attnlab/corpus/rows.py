@@ -2,8 +2,9 @@
 
 A row is one (document, window, variant, layer, head, statistic) value. The statistics are those of
 ``WindowResult.table()`` (attnlab.stats.tidy_table, unchanged) followed by the key-class breakdown of
-:mod:`attnlab.corpus.token_classes`. Every part of a document is windowed exactly as
-``hf.stream_analysis`` windows a text; window numbers run on across parts.
+:mod:`attnlab.corpus.token_classes` and the sink rows of :mod:`attnlab.corpus.sink_rows`. Every
+part of a document is windowed exactly as ``hf.stream_analysis`` windows a text; window numbers run
+on across parts.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from attnlab.corpus.sink_rows import join_columns, recorded, sink_columns
 from attnlab.corpus.sources import split_parts
 from attnlab.corpus.token_classes import class_statistics_from_masses, key_classes
 
@@ -109,9 +111,10 @@ def analyse_shard(loaded, documents: Iterable[tuple[int, str, Iterable[str]]], s
             stream = stream_analysis(part, loaded, settings["variants"], settings["mode"],
                                      window=settings["window"], overlap=settings["overlap"], **params)
             owned = owned_ranges(stream.windowing)
-            for result in stream:
+            for result, activations in recorded(stream, loaded):  # + its forwards' massive activations
                 masses = result.column_masses()  # {variant: (L, H, N)}, once for rows and index
                 cols = _window_columns(result, masses, bins, settings["n_bins"])
+                cols = join_columns(cols, sink_columns(result, activations, settings["mode"]))
                 n = len(cols["value"])
                 n_tokens = len(result.tokens)
                 cols["doc_index"] = np.full(n, doc_index, np.int32)

@@ -11,9 +11,11 @@ source, so the result does not depend on which engine or shard order wrote the r
                                                      seeded with ``seed`` (identical every run)
 
 ``head = -1`` rows describe the mean over a layer's heads (per document, then over documents):
-the per-layer curves. Memory: the shards are read one at a time (the rows of a document are all in
-one shard, so its means over windows are complete there); what is kept is the (documents x keys)
-matrix of per-document means of each variant, 8 bytes per document and key, never the rows.
+the per-layer curves; a statistic of a whole layer (the ``massive_*`` rows of
+attnlab/corpus/sink_rows.py) is written with head = -1 and summarized as it is. Memory: the shards
+are read one at a time (the rows of a document are all in one shard, so its means over windows are
+complete there); what is kept is the (documents x keys) matrix of per-document means of each variant,
+8 bytes per document and key, never the rows.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ def _per_document(frame):
     for variant, part in frame.groupby("variant", sort=False):
         means = part.groupby(["doc_index", "statistic", "layer", "head"], sort=True)["value"].mean()
         wide = means.unstack(["statistic", "layer", "head"])  # (D, K)
-        per_layer = means.groupby(level=["doc_index", "statistic", "layer"]).mean()
+        per_head = means[means.index.get_level_values("head") != ALL_HEADS]  # (a layer's rows are kept)
+        per_layer = per_head.groupby(level=["doc_index", "statistic", "layer"]).mean()
         per_layer = per_layer.unstack(["statistic", "layer"])
         per_layer.columns = pd.MultiIndex.from_tuples([(s, lay, ALL_HEADS) for s, lay in per_layer.columns],
                                                       names=["statistic", "layer", "head"])

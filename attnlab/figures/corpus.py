@@ -29,6 +29,10 @@ LABELS = {
     "relative_column_mass_q10": "relative column mass, 10th percentile",
     "relative_column_mass_q50": "relative column mass, median",
     "relative_column_mass_q90": "relative column mass, 90th percentile",
+    "sink_importance_first": "causal-corrected importance of the first key",
+    "sink_rate": "sink rate (share of heads with first-key importance > 0.3)",
+    "massive_ratio": "largest |hidden state| / median (massive activations)",
+    "massive_max_abs": "largest |hidden state| (massive activations)",
 }
 
 
@@ -75,9 +79,11 @@ def layer_curves(summary: pd.DataFrame, statistics: Sequence[str], variants: Seq
 
 def head_heatmap(summary: pd.DataFrame, statistic: str, variant: str, *,
                  title: str | None = None) -> FigureBundle:
-    """Layer x head heatmap of one statistic's mean over documents for one variant."""
-    rows = summary[(summary["statistic"] == statistic) & (summary["variant"] == variant)
-                   & (summary["head"] != ALL_HEADS)]
+    """Layer x head heatmap of one statistic's mean over documents for one variant; a statistic of
+    whole layers (only head = -1 rows: the massive_* rows of attnlab.corpus.sink_rows) is one column."""
+    rows = summary[(summary["statistic"] == statistic) & (summary["variant"] == variant)]
+    per_head = rows[rows["head"] != ALL_HEADS]
+    rows = per_head if not per_head.empty else rows
     if rows.empty:
         raise ValueError(f"no summary rows for statistic {statistic!r} and variant {variant!r}")
     grid = rows.pivot(index="layer", columns="head", values="mean").sort_index()
