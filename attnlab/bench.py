@@ -1,5 +1,9 @@
-"""Benchmarks: ``attnlab bench attention | analysis | training | corpus | swap-eval`` (also
-``python -m attnlab.bench``).
+"""Benchmarks: ``attnlab bench attention | analysis | training | corpus | corpus-search | swap-eval``
+(also ``python -m attnlab.bench``).
+
+corpus-search [--tokens 100000] [--real-docs N]: a search of a corpus run's token index (cold: the
+first, reading the index; warm: the median after it) and the index's bytes per million tokens
+(attnlab/corpus/search_benchmark.py).
 
 swap-eval [--shape bert|gpt2] [--variants dnas]: a swap-eval over 100 documents of 512 tokens on a
 MiniLM-sized model against its plain forward (attnlab/swap_eval/benchmark.py).
@@ -234,8 +238,11 @@ def attention_markdown(res: dict) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("what", choices=["attention", "analysis", "training", "corpus", "swap-eval"],
-                        help="which benchmark")
+    parser.add_argument("what", choices=["attention", "analysis", "training", "corpus", "corpus-search",
+                                         "swap-eval"], help="which benchmark")
+    parser.add_argument("--tokens", type=int, default=100_000, help="corpus-search: tokens of the index")
+    parser.add_argument("--real-docs", type=int, default=0,
+                        help="corpus-search: also index this many KJV chapters (MiniLM) for the size")
     parser.add_argument("--shape", choices=["bert", "gpt2"], default="bert",
                         help="swap-eval: a MiniLM-sized masked (bert) or causal (gpt2) LM")
     parser.add_argument("--variants", default="dnas", help="swap-eval: comma-separated variants swapped in")
@@ -289,6 +296,11 @@ def run(args: argparse.Namespace) -> int:
         tokens = () if args.no_memory else tuple(int(t) for t in args.memory_tokens.split(",") if t)
         res = benchmark_corpus(repeats=max(1, min(args.repeats, 2)), memory_tokens=tokens,
                                memory_model=None if args.memory_model == "minilm" else args.memory_model)
+        print(json.dumps(res, indent=2, default=str))
+    elif args.what == "corpus-search":
+        from attnlab.corpus.search_benchmark import benchmark_search
+
+        res = benchmark_search(tokens=args.tokens, repeats=args.repeats, real_docs=args.real_docs)
         print(json.dumps(res, indent=2, default=str))
     elif args.what == "swap-eval":
         from attnlab.swap_eval.benchmark import benchmark_swap_eval

@@ -6,6 +6,7 @@ import streamlit as st
 from appkit import beyond
 from appkit.analysis import LONG_CONTEXT
 from appkit.controls import inputs, window_view
+from appkit.corpus_search import corpus_search_section
 from appkit.gam import NOTE as GAM_NOTE
 from appkit.gam import gam_maps, is_gam
 from appkit.long_context import long_map
@@ -55,6 +56,9 @@ else:  # a long window: the map gets the whole width
 
 st.subheader("Neuron view: what makes one weight")
 neuron_section(P, view, chosen, layer, head, text)
+
+st.subheader("Similar tokens in a corpus run")
+corpus_search_section(P, view)
 
 st.subheader("Attention each token receives")
 whole_layer = st.toggle("Mean over the layer's heads", value=True, key=f"{P}_mass_all_heads")

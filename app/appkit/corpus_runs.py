@@ -140,6 +140,8 @@ def command(run_dir: Path, config: dict, source: str) -> list[str]:
             cmd += [f"--{key.replace('_', '-')}", str(config[key])]
     for name, value in (config.get("params") or {}).items():
         cmd += [f"--{name.replace('_', '-')}", str(value)]
+    if config.get("index"):  # the token index Inspect's corpus search reads (appkit/corpus_search.py)
+        cmd.append("--index")
     return cmd
 
 

@@ -16,6 +16,7 @@ import torch
 
 from appkit import state
 from appkit.analysis import WindowView
+from appkit.corpus_search import SEARCH
 from appkit.show import focus, show_bundle
 from appkit.sources import load
 from attnlab.figures.neuron_view import neuron_bundle
@@ -23,6 +24,7 @@ from attnlab.hf.analysis.query_key import LayerQueryKey, layer_query_key
 
 NEURON = "neuron"  # shared state: the toggle's value (the focus bar reruns the page while it is on)
 RERUN = "neuron_rerun"  # shared state: a focus click asked for a whole-page rerun
+FOLLOWERS = (NEURON, SEARCH)  # toggles of Inspect's sections that follow the focus (the corpus search's too)
 DNAS_NOTE = (
     "**Why the variants differ on one score.** UNAS is the softmax of the query's row of scores. "
     "DNAS (Eq. 5) first divides each exp(score) by its key's column sum — how much every query "
@@ -43,8 +45,9 @@ def wants_page_rerun() -> bool:
 
 
 def note_focus_click() -> None:
-    """A focus click: the whole page must rerun if the neuron view is on (it follows the focus)."""
-    if state.shared().get(NEURON):
+    """A focus click: the whole page must rerun if the neuron view (or the corpus search) is on: they
+    follow the focus."""
+    if any(state.shared().get(name) for name in FOLLOWERS):
         state.shared()[RERUN] = True
 
 
