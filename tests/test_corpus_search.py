@@ -233,3 +233,13 @@ def test_resume_rewrites_a_shard_whole_and_refuses_other_index_settings(indexed_
         analyze_corpus(str(root), out=result.out, **{**settings, "index": False})
     with pytest.raises(ValueError, match="index_dims=64 needs index=True"):
         analyze_corpus(str(root), out=tmp_path / "x", **{**settings, "index": False}, index_dims=64)
+
+
+@pytest.mark.slow  # a second small run, without the index
+def test_the_index_leaves_the_rows_unchanged(indexed_run, tmp_path):
+    """The index's own forward (the last hidden states) is no analysis forward: the rows, the sink
+    rows' massive activations among them, are those of the same run without an index."""
+    root, result, settings = indexed_run
+    plain = analyze_corpus(str(root), out=tmp_path / "plain", **{**settings, "index": False})
+    assert not (plain.out / FOLDER).exists()
+    pd.testing.assert_frame_equal(pd.read_parquet(plain.rows), pd.read_parquet(result.rows), check_exact=True)

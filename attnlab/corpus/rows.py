@@ -123,9 +123,11 @@ def analyse_shard(loaded, documents: Iterable[tuple[int, str, Iterable[str]]], s
                 cols["n_tokens"] = np.full(n, n_tokens, np.int32)
                 for name, values in cols.items():
                     blocks[name].append(values)
-                if index is not None:
+                if index is not None:  # its own forward (the last hidden states), after the sink rows
                     index.add_window(result, masses, owned[result.index], doc_index, doc_id,
                                      window_base + result.index, token_base, part)
+                    if activations is not None:
+                        activations.clear()  # that forward is not the analysis': not a sink row's
                 window_tokens += n_tokens
                 if on_window is not None:
                     on_window(n_tokens)
