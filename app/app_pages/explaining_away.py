@@ -2,7 +2,7 @@
 which tokens fall below a threshold ε of the average key (docs/DESIGN.md §4)."""
 
 import streamlit as st
-from appkit import beyond
+from appkit import beyond, sinks_view
 from appkit.controls import inputs, window_view
 from appkit.show import show, table_columns
 
@@ -87,3 +87,6 @@ st.download_button(
     on_click="ignore",
     help="attnlab.stats.tidy_table: one row per variant, layer, head and statistic",
 )
+
+st.subheader("Attention sinks")  # Gu et al. 2024, Xiao et al. 2023, Sun et al. 2024 (appkit/sinks_view.py)
+sinks_view.sink_views(P, view, text)
