@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 from conftest import CORPUS
@@ -43,12 +44,22 @@ def _assert_each_document_once(out, n):
     assert not rows.duplicated().any()  # no document (window, ...) written twice
 
 
+def _assert_each_token_indexed_once(out):
+    """The token index (attnlab corpus --index): every text token of the manifest once."""
+    import json
+
+    index = pd.read_parquet(Path(out) / "index", columns=["doc_index", "token_index"])
+    documents = json.loads((Path(out) / "manifest.json").read_text())["documents"]
+    assert not index.duplicated().any()
+    assert index.groupby("doc_index").size().to_dict() == {d["index"]: d["tokens"] for d in documents}
+
+
 def test_sigkill_then_resume_every_document_once(tmp_path):
     root = _corpus(tmp_path)
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "attnlab.cli", "corpus", str(root), "--out", str(out), "--variants",
            "unas,dnas", "--window", "16", "--overlap", "2", "--shard-docs", "1", "--bootstrap", "200",
-           "--quiet"]
+           "--quiet", "--index"]
     proc = subprocess.Popen(cmd, env=_env(), cwd=REPO, stderr=subprocess.PIPE)
     deadline = time.time() + 240
     while time.time() < deadline and not list((out / "rows").glob("shard-*.parquet")):
@@ -61,8 +72,9 @@ def test_sigkill_then_resume_every_document_once(tmp_path):
     res = subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr
     assert {n: (out / "rows" / n).stat().st_mtime_ns for n in stamps} == stamps  # not recomputed
-    assert not list((out / "rows").glob(".*.tmp"))
+    assert not list((out / "rows").glob(".*.tmp")) and not list((out / "index").glob(".*.tmp"))
     _assert_each_document_once(out, 6)
+    _assert_each_token_indexed_once(out)
     clean = analyze_corpus(str(root), out=tmp_path / "clean", **SETTINGS)
     pd.testing.assert_frame_equal(pd.read_parquet(out / "summary.parquet"), clean.summary())
 
@@ -79,12 +91,19 @@ def local_ray():
 
 def test_ray_summary_identical_to_local(tmp_path, local_ray):
     root = _corpus(tmp_path, 4)
-    local = analyze_corpus(str(root), out=tmp_path / "local", **SETTINGS)
-    on_ray = analyze_corpus(str(root), out=tmp_path / "ray", engine="ray", workers=2, **SETTINGS)
+    local = analyze_corpus(str(root), out=tmp_path / "local", **SETTINGS, index=True)
+    on_ray = analyze_corpus(str(root), out=tmp_path / "ray", engine="ray", workers=2, **SETTINGS, index=True)
     pd.testing.assert_frame_equal(on_ray.summary(), local.summary(), check_exact=True)
     for shard in sorted((tmp_path / "local" / "rows").glob("*.parquet")):
         pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "ray" / "rows" / shard.name),
                                       pd.read_parquet(shard), check_exact=True)
+    for shard in sorted((tmp_path / "local" / "index").glob("*.parquet")):  # the token index too
+        a, b = pd.read_parquet(tmp_path / "ray" / "index" / shard.name), pd.read_parquet(shard)
+        pd.testing.assert_frame_equal(a.drop(columns=["embedding"]), b.drop(columns=["embedding"]),
+                                      check_exact=True)
+        # the actors run single-threaded: the float16 hidden states agree within rounding
+        np.testing.assert_allclose(np.stack(a["embedding"]), np.stack(b["embedding"]), atol=2e-2, rtol=1e-2)
+    _assert_each_token_indexed_once(tmp_path / "ray")
     assert on_ray.manifest["last_run"]["shards"] == 4
 
 
