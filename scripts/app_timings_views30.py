@@ -1,4 +1,4 @@
-"""Timings of issue 30's new views (items 11-13) in a real browser. One command:
+"""Timings of issue 30's new views (items 10-13) in a real browser. One command:
 
     flock /tmp/attnlab-bench.lock python3 scripts/app_timings_views30.py --out views30_timings.json
 
@@ -14,10 +14,15 @@ prints, then writes as JSON, each figure (seconds; ``--repeat`` runs of each, de
 - ``scatter_point_click``: a click on a point of the Embeddings scatter (PCA, token representations)
   -> the URL names its token as the focus, the point ringed, the run over;
 - ``pooled_queries_keys``: on Embeddings, "queries and keys" with 3 layers x 4 heads pooled -> the
-  scatter drawn (the first time: one forward, no cache).
+  scatter drawn (the first time: one forward, no cache);
+- ``drill_down_drawn``: a click on another head's map in Inspect's layer x head grid (item 10) ->
+  the heatmap titled with that layer and head (a whole-page rerun: Python sends the new map);
+- ``drill_down_kept``: the same click -> the URL names the layer and head and the run is over.
 
-Targets: a chip or point click like click to focus (<= 0.3 s); the neuron view like a text change
-at 50 tokens (<= 0.5 s). Nothing is asserted; the load average before and after is stored.
+Targets: a chip, point or drill-down click like click to focus (<= 0.3 s); the neuron view like a
+text change at 50 tokens (<= 0.5 s). Nothing is asserted; the load average before and after is
+stored. ``--only drill_down`` (or chips, neuron, embeddings) runs one group, e.g. as a smoke check
+with ``--repeat 1``.
 """
 
 from __future__ import annotations
@@ -150,20 +155,49 @@ def embeddings(browser, url: str, repeat: int) -> dict[str, list[float]]:
     return out
 
 
+def drill_down(browser, url: str, repeat: int) -> dict[str, list[float]]:
+    page = _open(browser, url)
+    out = {"drill_down_drawn": [], "drill_down_kept": []}
+    for layer, head in ((4, 3), (1, 2), (5, 7))[:repeat]:
+        xy = tb._point_in_sight(page, "inspect_grid", layer, head)
+        page.mouse.move(*xy)
+        t0 = time.monotonic()
+        page.mouse.click(*xy)
+        tb._heatmap(page, f"unas: layer {layer}, head {head}", timeout_s=60)
+        out["drill_down_drawn"].append(time.monotonic() - t0)
+        page.wait_for_function(
+            "a => location.search.includes('layer=' + a[0]) && location.search.includes('head=' + a[1])",
+            arg=[layer, head],
+        )
+        tb._idle(page)
+        out["drill_down_kept"].append(time.monotonic() - t0)
+    page.close()
+    return out
+
+
+GROUPS = ("chips", "neuron", "embeddings", "drill_down")
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=None, help="write the figures here as JSON")
     ap.add_argument("--repeat", type=int, default=3, help="runs of each measurement, 1 to 3 (default 3)")
+    ap.add_argument("--only", choices=GROUPS, action="append", help="run only these groups (default: all)")
     args = ap.parse_args(argv)
+    only = set(args.only or GROUPS)
     if not 1 <= args.repeat <= 3:
         ap.error(f"--repeat must be 1, 2 or 3, got {args.repeat}")
     result: dict = {"load_average_before": os.getloadavg(), "cpus": os.cpu_count()}
     with tempfile.TemporaryDirectory() as tmp, tb.serve(Path(tmp)) as (url, _, _):
         with sync_api.sync_playwright() as p:
             browser = tb._browser(p)
-            timings = chips(browser, url, args.repeat)
-            timings["neuron_focus_click"] = neuron(browser, url, args.repeat)
-            timings |= embeddings(browser, url, args.repeat)
+            timings = chips(browser, url, args.repeat) if "chips" in only else {}
+            if "neuron" in only:
+                timings["neuron_focus_click"] = neuron(browser, url, args.repeat)
+            if "embeddings" in only:
+                timings |= embeddings(browser, url, args.repeat)
+            if "drill_down" in only:
+                timings |= drill_down(browser, url, args.repeat)
             browser.close()
     result.update(timings_s=timings, load_average_after=os.getloadavg())
     for what, times in timings.items():

@@ -468,9 +468,9 @@ def test_live_run_then_hybrid_weights_keeps_the_page(server, server_dir):
     assert not errors, errors
 
 
-def _click_in_sight(page, key: str, *where) -> None:
-    """A real click at ``v.pointOf(*where)`` of token view ``key``, scrolled (mouse wheel) until that
-    point is in the window: the model view of a long text is taller than the window."""
+def _point_in_sight(page, key: str, *where) -> tuple[float, float]:
+    """``v.pointOf(*where)`` of token view ``key``, scrolled (mouse wheel) until that point is in the
+    window: the model view of a long text is taller than the window."""
     page.locator(f".st-key-{key} .attnlab-view").scroll_into_view_if_needed()
     for _ in range(6):
         x, y = page.evaluate(f"where => {VIEW(key)}.pointOf(...where)", list(where))
@@ -480,7 +480,12 @@ def _click_in_sight(page, key: str, *where) -> None:
         page.mouse.move(x, height / 2)
         page.mouse.wheel(0, y - height / 2)
         time.sleep(0.3)
-    page.mouse.click(x, y)
+    return x, y
+
+
+def _click_in_sight(page, key: str, *where) -> None:
+    """A real click at ``v.pointOf(*where)`` of token view ``key``, scrolled into the window first."""
+    page.mouse.click(*_point_in_sight(page, key, *where))
 
 
 def test_drill_down_from_the_grid_and_the_model_view(server):
