@@ -250,6 +250,8 @@ def _capture_attention(module, query, key, value, attention_mask, scaling=None, 
         if run.layer_hook is not None:
             out = run.layer_hook(len(run.capture) - 1, query, repeat_kv(key, n_rep), repeat_kv(value, n_rep),
                                  run.capture[-1].mask, scale, dropout, module.training, causal, last, kwargs)
+        if run.spill is not None:  # q and k to a file, mapped back on use
+            run.capture[-1] = run.spill.layer(run.capture[-1])
         if last:
             raise _CaptureComplete  # nothing after the last q and k is needed
         if out is not None:
@@ -353,7 +355,8 @@ def use_variant(
 
 
 @contextlib.contextmanager
-def capture_qk(model, *, stop_after: int | None = None, layer_hook=None) -> Iterator[list[CapturedLayer]]:
+def capture_qk(model, *, stop_after: int | None = None, layer_hook=None,
+               spill=None) -> Iterator[list[CapturedLayer]]:
     """Record every self-attention call's q and k while the model runs its own (SDPA) attention.
 
     Yields the list that fills with one :class:`CapturedLayer` per attention call, in layer order.
@@ -364,9 +367,12 @@ def capture_qk(model, *, stop_after: int | None = None, layer_hook=None) -> Iter
     layer's q and k are recorded (keys and values with grouped-query heads repeated, ``mask`` the
     recorded one: bool, True = may attend, or None); the
     tensor it returns, (B, N, H, Dv), is the layer's attention output in place of SDPA's (None: SDPA
-    runs). attnlab/hf/compute/fused_forward.py's analysis is one.
+    runs). attnlab/hf/compute/fused_forward.py's analysis is one. ``spill``
+    (:class:`attnlab.hf.capture.spill.Spill`), when given, keeps each layer's q and k in a file once the
+    hook has run (the records then map them back on use).
     """
-    run = _Run(settings=VariantSettings(), capture=[], stop_after=stop_after, layer_hook=layer_hook)
+    run = _Run(settings=VariantSettings(), capture=[], stop_after=stop_after, layer_hook=layer_hook,
+               spill=spill)
     with _implementation(model, CAPTURE, run):
         try:
             yield run.capture

@@ -60,6 +60,8 @@ class CapturedLayer:
     # the model's own scores, not its q and k (attnlab/hf/capture/scores.py): query = S (B, H, M, N),
     # key_heads = I_N, scaling 1, so that q kᵀ = S exactly; the family's name, else None
     scores_of: str | None = None
+    # spilled to a file (attnlab/hf/capture/spill.py): () -> fresh mappings of (query, key_heads), else None
+    reload: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def key(self) -> torch.Tensor:
@@ -80,6 +82,8 @@ class _Run:
     # recompute mode: called after each layer's q, k are recorded (attnlab/hf/compute/fused_forward.py);
     # returns the layer's attention output in place of SDPA's, or None (SDPA runs)
     layer_hook: Callable[..., torch.Tensor | None] | None = None
+    # recompute mode: keeps each layer's q and k in a file once the hook has run (attnlab/hf/capture/spill.py)
+    spill: Any = None
 
 
 class _CaptureComplete(Exception):

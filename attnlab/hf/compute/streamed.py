@@ -162,7 +162,8 @@ class StreamedWindow:
 
     def __init__(self, layers: Sequence[LayerInputs], variants: Sequence[str],
                  params: Mapping[str, Mapping[str, Any]]):
-        self.layers, self.variants, self.params = list(layers), tuple(variants), dict(params)
+        self.layers = layers if isinstance(layers, MappedLayers) else list(layers)
+        self.variants, self.params = tuple(variants), dict(params)
         self._sinks: dict = {}  # sink parts by (keys, special), and "cols": the column masses
 
     @property
@@ -223,14 +224,36 @@ def streamed_window(captured, valid) -> bool:
     return any(c.causal or c.mask is not None or c.softcap is not None for c in captured)
 
 
-def layer_inputs(captured) -> list[LayerInputs]:
-    """One window's captured layers as the streamed analysis' inputs (batch item 0)."""
-    out = []
-    for c in captured:
-        mask = None if c.mask is None or bool(c.mask.all()) else c.mask[0]
-        out.append(LayerInputs(query=c.query[0], key=c.key_heads[0], mask=mask, causal=c.causal,
-                                        scale=c.scaling, softcap=c.softcap, sliding_window=c.sliding_window))
-    return out
+def layer_inputs(captured) -> Sequence[LayerInputs]:
+    """One window's captured layers as the streamed analysis' inputs (batch item 0): a list, or, when
+    the capture spilled q and k to a file (attnlab/hf/capture/spill.py), a :class:`MappedLayers`."""
+    if any(c.reload is not None for c in captured):
+        return MappedLayers(captured)
+    return [_inputs(c, c.query, c.key_heads) for c in captured]
+
+
+def _inputs(c, query: torch.Tensor, key_heads: torch.Tensor) -> LayerInputs:
+    mask = None if c.mask is None or bool(c.mask.all()) else c.mask[0]
+    return LayerInputs(query=query[0], key=key_heads[0], mask=mask, causal=c.causal, scale=c.scaling,
+                       softcap=c.softcap, sliding_window=c.sliding_window)
+
+
+class MappedLayers(Sequence):
+    """The layers of a spilled capture: each item is a :class:`LayerInputs` whose q and k map the spill
+    file afresh, so a pass over the layers holds one layer's q and k (its pages are read as the tiles
+    read them and leave with the item). Shapes and masks cost nothing."""
+
+    def __init__(self, captured):
+        self._captured = list(captured)
+
+    def __len__(self) -> int:
+        return len(self._captured)
+
+    def __getitem__(self, layer: int) -> LayerInputs:
+        if not isinstance(layer, int):
+            raise TypeError(f"MappedLayers takes one layer index, got {type(layer).__name__}")
+        c = self._captured[layer]  # IndexError ends iteration
+        return _inputs(c, *c.reload()) if c.reload is not None else _inputs(c, c.query, c.key_heads)
 
 
 def streamed_analysis(captured, variants, params, specials, hook=None):

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from attnlab.hf.capture.interface import CapturedLayer, capture_qk, check_settings, use_variant
+from attnlab.hf.capture.spill import spill_for
 from attnlab.hf.compute import causal_kernel, fused_sums, mixed, streamed
 from attnlab.hf.compute.fused_sums import ROW_SUMS  # noqa: F401  (re-exported)
 from attnlab.hf.compute.head_maps import HeadMaps
@@ -157,8 +158,9 @@ def _recompute_with_sums(loaded, input_ids, attention_mask, variants, given, spe
     if loaded.info.causal and input_ids.device.type == "cpu":
         causal_kernel.bound_allocator(input_ids.shape[1])  # ATTNLAB_BOUNDED_MALLOC=1: memory over time
     hook = _layerwise(loaded, input_ids, attention_mask, variants, given, specials)
+    spill = spill_for(loaded.info, input_ids, attention_mask)  # a long causal text's q, k to a file
     # no work after the last q, k; the hook's attention outputs in place of SDPA's where it applies
-    with capture_qk(loaded.model, stop_after=loaded.info.n_layers, layer_hook=hook) as captured:
+    with capture_qk(loaded.model, stop_after=loaded.info.n_layers, layer_hook=hook, spill=spill) as captured:
         loaded.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     valid = attention_mask.bool()  # (B, N)
     causal = {c.causal for c in captured}
@@ -174,11 +176,11 @@ def _recompute_with_sums(loaded, input_ids, attention_mask, variants, given, spe
                            for name in ("query", "key"))
         return stacked[0], stacked[1]
 
-    first = captured[0].query  # (B, H, N, D)
-    scale = [c.scaling for c in captured]
     params = {v: check_params(v, given, causal=causal) for v in variants}
     if streamed.streamed_window(captured, valid) and (specials is not None or lazy):  # bounded, per head
         return streamed.streamed_analysis(captured, variants, params, specials, hook)
+    first = captured[0].query  # (B, H, N, D)
+    scale = [c.scaling for c in captured]
     masks = [_layer_mask(c, valid) for c in captured]
     unmasked = not causal and all(m is None for m in masks)
     if unmasked and (specials is not None or lazy) and first.shape[0] == 1 and first.device.type == "cpu":

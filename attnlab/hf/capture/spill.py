@@ -1,0 +1,152 @@
+"""Captured q and k kept in a temporary file instead of memory, for long causal windows.
+
+The streamed analysis (attnlab/hf/compute/streamed.py) keeps every layer's q and k after the capture
+forward: the weights are computed from them per (layer, head) on access. At 8,192 tokens that is
+L * N * (H + H_kv) * D * 4 bytes: 604 MB for 12 layers of 12 heads of 64 dimensions, more than the
+rest of the analysis together. With a :class:`Spill`, each layer's q and k are written to an unlinked
+temporary file as soon as the layer's hook has used them (they then leave memory with the layer's
+attention), and every later reader maps them back from the file afresh:
+
+- a mapping costs no memory until its pages are read, and its pages leave the process when the tensor
+  that maps them is freed: a pass over the layers holds one layer's q and k at a time;
+- the values are the very bytes that were captured (no rounding: the same results as in memory);
+- the file lives in the page cache as long as the window's results do, and is deleted with them (the
+  operating system writes it out under memory pressure instead of the process being killed);
+- after each spilled layer the heap's free pages go back to the system (glibc's ``malloc_trim``):
+  otherwise each layer's freed 25 MB buffers stay in the process, fragmented, ~50 MB more RSS a layer
+  at 8,192 tokens (docs/BENCHMARKS.md, "Causal models at long context").
+
+Windows whose q and k together are at most :data:`SPILL_BYTES` (``ATTNLAB_SPILL_BYTES``; 256 MiB,
+e.g. 12 layers x 16 heads x 64 dims below ~5,400 tokens) stay in memory, as they always did.
+``ATTNLAB_SPILL_DIR`` chooses the file's folder (default: the system's temporary folder).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import mmap
+import os
+import tempfile
+import threading
+from dataclasses import dataclass, replace
+
+import torch
+
+__all__ = ["SPILL_BYTES", "Spill", "Stored", "spill_bytes", "spill_for"]
+
+SPILL_BYTES = 256 << 20  # q and k of one window above this go to a file (ATTNLAB_SPILL_BYTES)
+
+_ALIGN = mmap.ALLOCATIONGRANULARITY  # a mapping's offset must be a multiple of it
+
+
+def spill_bytes() -> int:
+    """The budget in bytes (``ATTNLAB_SPILL_BYTES`` when set: a non-negative integer)."""
+    raw = os.environ.get("ATTNLAB_SPILL_BYTES")
+    if raw is None:
+        return SPILL_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"ATTNLAB_SPILL_BYTES must be a non-negative integer (bytes), got {raw!r}")
+    return value
+
+
+def spill_for(info, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Spill | None:
+    """The :class:`Spill` of one capture forward, or None: a causal model's single unpadded text on the
+    CPU (the streamed analysis' window) may spill; padded batches and bidirectional windows never do.
+    ``info``: the model's :class:`~attnlab.hf.load.model_info.ModelInfo`; input_ids, attention_mask (B, N)."""
+    one_text = input_ids.shape[0] == 1 and bool(attention_mask.bool().all())
+    if not (info.causal and one_text and input_ids.device.type == "cpu"):
+        return None
+    return Spill(spill_bytes(), info.n_layers)
+
+
+@dataclass(frozen=True)
+class Stored:
+    """Where one tensor lies in the spill file."""
+
+    offset: int  # bytes, a multiple of the mapping granularity
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(torch.Size(self.shape).numel()) * torch.empty((), dtype=self.dtype).element_size()
+
+
+class Spill:
+    """An append-only temporary file of tensors for one capture (module docstring).
+
+    Args:
+        budget: bytes of q and k the window may keep in memory; above it every layer is spilled.
+        n_layers: layers the capture will record (the decision is taken at the first layer, from its
+            q and k times ``n_layers``).
+    """
+
+    def __init__(self, budget: int, n_layers: int):
+        self.budget, self.n_layers = int(budget), int(n_layers)
+        self.active: bool | None = None  # decided at the first layer
+        self._file = None
+        self._end = 0
+        self._lock = threading.Lock()
+
+    def layer(self, captured):
+        """The :class:`~attnlab.hf.capture.run_state.CapturedLayer` to keep for ``captured``: itself,
+        or (when spilling) the same record whose ``query`` and ``key_heads`` map the file, with
+        ``reload`` giving fresh mappings of both."""
+        q, k = captured.query, captured.key_heads
+        if self.active is None:
+            per_layer = q.numel() * q.element_size() + k.numel() * k.element_size()
+            self.active = q.device.type == "cpu" and per_layer * self.n_layers > self.budget
+        if not self.active:
+            return captured
+        sq, sk = self.put(q), self.put(k)
+        release_heap()
+        return replace(captured, query=self.get(sq), key_heads=self.get(sk),
+                       reload=lambda: (self.get(sq), self.get(sk)))
+
+    def put(self, tensor: torch.Tensor) -> Stored:
+        """Append ``tensor``'s bytes (C order) to the file -> where they lie."""
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        with self._lock:
+            if self._file is None:
+                self._file = tempfile.TemporaryFile(dir=os.environ.get("ATTNLAB_SPILL_DIR") or None)
+            stored = Stored(self._end, tuple(tensor.shape), tensor.dtype)
+            self._file.seek(self._end)
+            self._file.write(memoryview(data))
+            self._end = -(-(self._end + data.nbytes) // _ALIGN) * _ALIGN
+            self._file.truncate(self._end)
+            self._file.flush()
+        return stored
+
+    def get(self, stored: Stored) -> torch.Tensor:
+        """A tensor that maps ``stored``'s bytes (private, copy-on-write: writing to it never changes
+        the file); no memory is read until its elements are."""
+        if stored.nbytes == 0:
+            return torch.empty(stored.shape, dtype=stored.dtype)
+        with self._lock:
+            mapped = mmap.mmap(self._file.fileno(), stored.nbytes, access=mmap.ACCESS_COPY,
+                               offset=stored.offset)
+        flat = torch.frombuffer(mapped, dtype=torch.uint8)  # keeps the mapping alive
+        return flat.view(stored.dtype).view(stored.shape)
+
+
+@functools.cache
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc
+    except (OSError, AttributeError):
+        return None
+
+
+def release_heap() -> bool:
+    """Return the heap's free pages to the system (glibc ``malloc_trim(0)``); False where the C library
+    has no such call (nothing happens)."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True

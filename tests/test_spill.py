@@ -1,0 +1,101 @@
+"""A long causal window's q and k kept in a file (attnlab/hf/capture/spill.py): the same bytes back,
+the same analysis, bit for bit, and the budget read from the environment with a worded error."""
+
+import pytest
+import torch
+
+from attnlab.hf.capture import spill as spill_mod
+from attnlab.hf.capture.spill import Spill
+from attnlab.hf.compute import streamed
+from attnlab.hf.compute.head_maps import HeadMaps
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64])
+def test_stored_tensors_come_back_bit_for_bit(dtype):
+    g = torch.Generator().manual_seed(0)
+    spill = Spill(0, 1)
+    base = (torch.randn(2, 5, 7, 3, generator=g) * 100).to(dtype)
+    tensors = [base, base.transpose(1, 2), base[:, 1:4, ::2], torch.empty(0, 3, dtype=dtype), base[0, 0, 0, 0]]
+    where = [spill.put(t) for t in tensors]
+    for t, w in zip(tensors, where):
+        back = spill.get(w)
+        assert back.dtype == t.dtype and back.shape == t.shape
+        assert torch.equal(back.reshape(-1).view(torch.uint8), t.contiguous().reshape(-1).view(torch.uint8))
+    again = spill.get(where[0])
+    again.zero_()  # a private mapping: writing to it leaves the file (and every other mapping) as it was
+    assert torch.equal(spill.get(where[0]), base)
+
+
+def test_nan_and_infinities_survive_the_file():
+    spill = Spill(0, 1)
+    t = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 1e-45])
+    back = spill.get(spill.put(t))
+    assert torch.equal(back.view(torch.int32), t.view(torch.int32))
+
+
+@pytest.mark.parametrize(("raw", "ok"), [("0", 0), ("123", 123), ("-1", None), ("lots", None), ("1.5", None)])
+def test_the_budget_comes_from_the_environment(raw, ok, monkeypatch):
+    monkeypatch.setenv("ATTNLAB_SPILL_BYTES", raw)
+    if ok is None:
+        with pytest.raises(ValueError, match=f"ATTNLAB_SPILL_BYTES must be a non-negative integer .*{raw!r}"):
+            spill_mod.spill_bytes()
+    else:
+        assert spill_mod.spill_bytes() == ok
+    monkeypatch.delenv("ATTNLAB_SPILL_BYTES")
+    assert spill_mod.spill_bytes() == spill_mod.SPILL_BYTES
+
+
+def test_small_windows_stay_in_memory():
+    spill = Spill(10**9, 12)
+    from attnlab.hf.capture.run_state import CapturedLayer
+
+    c = CapturedLayer(query=torch.ones(1, 2, 3, 4), key_heads=torch.ones(1, 1, 3, 4), mask=None, scaling=0.5,
+                      causal=True)
+    assert spill.layer(c) is c and spill.active is False
+
+
+def _analyse(loaded, text, budget, monkeypatch):
+    from attnlab import hf
+
+    monkeypatch.setenv("ATTNLAB_SPILL_BYTES", str(budget))
+    return hf.analyze(text, loaded, variants=("unas", "dnas", "hnas", "sinkhorn", "softmax1", "sparsemax"),
+                      u=0.3).windows[0]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma2"])
+def test_a_spilled_window_analyses_bit_for_bit_as_in_memory(arch, tiny_model_dir, english_text, monkeypatch):
+    """Table, every head's weights, column masses and sink statistics of a spilled window equal those
+    of the same window kept in memory (the same bytes are read back; GQA, softcap, sliding windows)."""
+    from attnlab import hf
+
+    loaded = hf.load_model(tiny_model_dir(arch))
+    text = english_text[:400]
+    kept = _analyse(loaded, text, 10**12, monkeypatch)
+    spilled = _analyse(loaded, text, 0, monkeypatch)
+    assert isinstance(spilled.weights["unas"], HeadMaps)
+    window = spilled.weights["unas"].window
+    assert isinstance(window.layers, streamed.MappedLayers)
+    assert not isinstance(kept.weights["unas"].window.layers, streamed.MappedLayers)
+    a, b = kept.table(), spilled.table()
+    assert a.equals(b)
+    L, H = kept.weights["unas"].shape[:2]
+    for v in kept.weights:
+        for layer in range(L):
+            for h in range(H):
+                assert torch.equal(kept.weights[v][layer, h], spilled.weights[v][layer, h]), (v, layer, h)
+    assert a.equals(spilled.table())  # and again, after every head was read
+    assert kept.sinks().equals(spilled.sinks())
+    for v, m in kept.weights["unas"].window.column_masses().items():
+        assert torch.equal(m, window.column_masses()[v])
+
+
+def test_mapped_layers_map_afresh_and_refuse_slices(tiny_model_dir, english_text, monkeypatch):
+    from attnlab import hf
+
+    loaded = hf.load_model(tiny_model_dir("llama"))
+    layers = _analyse(loaded, english_text[:200], 0, monkeypatch).weights["unas"].window.layers
+    first, again = layers[0], layers[0]
+    assert torch.equal(first.query, again.query) and first.query.data_ptr() != again.query.data_ptr()
+    assert len(list(layers)) == len(layers) == loaded.info.n_layers
+    with pytest.raises(TypeError, match="one layer index"):
+        layers[0:2]
