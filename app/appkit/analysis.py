@@ -16,6 +16,7 @@ import streamlit as st
 import torch
 
 import attnlab
+from appkit import state
 from appkit.sources import (
     Source,
     is_native,
@@ -88,6 +89,10 @@ class WindowView:
     _nan: list = field(default_factory=list, init=False, repr=False, compare=False)  # [note], once known
     # a streamed window's statistics (eps_relative -> tidy table) without its weights (None: from them)
     streamed_table: object = field(default=None, repr=False, compare=False)
+    # an encoder-decoder's kind shown ("encoder", "decoder", "cross"; appkit/seq2seq.py), else None;
+    # cross-attention's (M,) target tokens, the rows of its (L, H, M, N) weights (None: ``tokens``)
+    kind: str | None = None
+    query_tokens: list[str] | None = None
 
     @property
     def key(self) -> str:
@@ -95,8 +100,10 @@ class WindowView:
         s = self.settings
         variants = ",".join(s.variants)
         extra = ",".join(f"{k}={v}" for k, v in s.extra)
+        kind = f"|{self.kind}" if self.kind else ""  # an encoder-decoder's (text_sha256 covers the target)
         return (
             f"{s.source.key}|{self.text_sha256}|{variants}|{s.mode}|{s.u:g}|{s.iters}|{extra}|{self.window}"
+            + kind
         )
 
     @property
@@ -326,8 +333,15 @@ def n_windows(s: Settings, text: str) -> int:
 
 
 def view_for(source: Source, like: Settings, text: str, window: int = 0) -> WindowView:
-    """Another model's analysis of the same text with the same settings (Compare page)."""
+    """Another model's analysis of the same text with the same settings (Compare page); an
+    encoder-decoder's with the target and kind chosen (appkit/seq2seq.py)."""
     s = Settings(source, like.variants, like.mode, like.u, like.iters, like.extra)
+    from appkit import seq2seq
+
+    if seq2seq.is_encoder_decoder(source):
+        values = state.shared()
+        return seq2seq.kind_view(s, text, values.get(seq2seq.TARGET, "").strip() or None,
+                                 values.get("kind", "cross"))
     count = n_windows(s, text)
     try:
         return _window(

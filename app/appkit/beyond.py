@@ -54,6 +54,10 @@ def _norms(key: str, _view: WindowView) -> dict[str, torch.Tensor]:
 
 def explained_away(prefix: str, view: WindowView, eps: float, by: str, without_sinks: bool) -> None:
     """The explained-away heatmap by contribution and/or without sink keys (first + special tokens)."""
+    if view.kind is not None:  # an encoder-decoder's kind (appkit/seq2seq.py): no value vectors captured
+        st.info("Explained away by contribution or without sink keys is computed for one text's "
+                "self-attention; for an encoder-decoder, choose by weight with the sink keys kept.")
+        return
     try:
         norms = _norms(view.key, view) if by == "contribution" else {}
     except ValueError as e:
@@ -92,6 +96,10 @@ def explained_away(prefix: str, view: WindowView, eps: float, by: str, without_s
 def rollout_and_flow(prefix: str, view: WindowView, variant: str) -> None:
     """Rollout (every output) or attention flow (one output position) of the chosen variant."""
     if not st.toggle("Show rollout and attention flow", key=f"{prefix}_rollout_show"):
+        return
+    if view.query_tokens is not None:  # an encoder-decoder's cross-attention (appkit/seq2seq.py)
+        st.info("Rollout and flow chain a stack's self-attention layers; cross-attention (target rows × "
+                "source columns) is no such chain: show the encoder's or the decoder's attention.")
         return
     L, _, N = view.shape
     kind = st.radio("Map", ["rollout", "flow"], horizontal=True, key=f"{prefix}_rollout_kind")

@@ -340,7 +340,12 @@ def window_view(prefix: str, s: Settings, text: str) -> WindowView:
     texts; the choice follows the user between pages and lives in the URL).
 
     Bad input (a model that does not load, a text without tokens) -> a message, and the page stops.
+    An encoder-decoder: the target box and the kind of attention shown instead (appkit/seq2seq.py).
     """
+    from appkit import seq2seq
+
+    if seq2seq.is_encoder_decoder(s.source):
+        return seq2seq.seq2seq_view(prefix, s, text, busy)
     count = n_windows(s, text)
     window = 1
     if count > 1:

@@ -119,6 +119,10 @@ def vectors(view_key: str, layer: int, head: int, what: str, _view: WindowView):
     leaves every row's softmax unchanged)."""
     model = load(_view.settings.source)
     input_ids = torch.tensor([_view.input_ids], device=model.device)  # the model may run on a GPU
+    if model.info.encoder_decoder:  # two texts, two stacks (appkit/seq2seq.py)
+        raise ValueError(f"{model.info.name} is an encoder-decoder: Embeddings shows one text's layers "
+                         "(an encoder-only or decoder-only model); Inspect shows its three kinds of "
+                         "attention")
     if what == "hidden":
         x = _hidden(model, input_ids, layer).float().cpu().numpy()
         return x, ["token"] * len(x)

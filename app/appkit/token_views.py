@@ -273,6 +273,10 @@ def token_view(
     """One token view (key ``{prefix}_{kind}``) and its Export menu (the plotly figure, built when
     a file is asked for, with the focus of that moment). ``span`` (head_view, token_mass): the
     tokens [lo, hi) of a long context alone; a click there reruns the page (the span follows the focus)."""
+    if view.query_tokens is not None:  # cross-attention: target rows x source columns (appkit/seq2seq.py)
+        from appkit.seq2seq import rectangular_view
+
+        return rectangular_view(prefix, kind, view, variant, layer, head)
     heads = shown_heads(head, view.shape[1]) if kind == "head_view" else None
     if heads is not None:
         state.set_url(OVERLAY, [str(h) for h in heads if h != head] or None, state.LIST)

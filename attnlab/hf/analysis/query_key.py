@@ -86,8 +86,16 @@ def _square_mask(mask: torch.Tensor | None, causal: bool, n: int) -> torch.Tenso
 def check_query_key_vectors(model) -> None:
     """ValueError for a Hugging Face ``model`` (``hf.load_model``) captured at the score level
     (attnlab/hf/capture/scores.py): its captured "query" is the score matrix after the model's own
-    biases and its "key" an identity, so per-dimension q and k vectors do not exist."""
+    biases and its "key" an identity, so per-dimension q and k vectors do not exist. An encoder-decoder
+    (attnlab/hf/capture/seq2seq.py) is refused too: one text's layer has no single q and k there."""
     from attnlab.hf.capture.score_adapters import adapter_for
+
+    info = getattr(model, "info", None)
+    if getattr(info, "encoder_decoder", False):
+        raise ValueError(f"{info.name} is an encoder-decoder ({info.model_type}): its layers' queries and "
+                         "keys come in three kinds (encoder, decoder, cross) over two texts; per-layer q "
+                         "and k vectors of one text are not offered for it (expected an encoder-only or "
+                         "decoder-only model)")
 
     adapter = adapter_for(getattr(model, "model", model))
     if adapter is not None:

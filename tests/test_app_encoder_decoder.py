@@ -1,0 +1,89 @@
+"""The app on an encoder-decoder (AppTest, a tiny random BART saved in tmp_path and chosen as a local
+model directory): the target box and the kind selector appear in the shared controls (and only for an
+encoder-decoder), Inspect draws cross-attention's rectangular map (target rows x source columns) equal
+to the library's, the kind follows the user to Explaining away and Compare, and a kind switch redraws."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+from conftest import build_tiny_model
+
+pytest.importorskip("streamlit.testing.v1")
+import test_app_issue30 as base  # noqa: E402
+
+app_env = base.app_env
+messages, run_page = base.messages, base.run_page
+LOCAL = "Local Hugging Face directory…"
+SOURCE = "Attention lets every word look at every other word."
+TARGET = "A key that no query wants is explained away."
+
+
+@pytest.fixture
+def bart(app_env):
+    return build_tiny_model("bart", app_env / "bart", scale=0.3)  # under ATTNLAB_MODEL_ROOTS
+
+
+def _z(spec: dict) -> np.ndarray:
+    z = spec["data"][0]["z"]
+    if isinstance(z, dict):  # plotly's typed array
+        import base64
+
+        a = np.frombuffer(base64.b64decode(z["bdata"]), dtype=z["dtype"])
+        return a.reshape([int(s) for s in str(z["shape"]).split(",")])
+    return np.asarray(z, dtype=np.float32)
+
+
+def _open(page: str, path, **query):
+    at = run_page(page, model=LOCAL, model_dir=str(path), target=TARGET, **query)
+    prefix = {"explaining_away": "away", "embeddings": "embed"}.get(page, page)
+    at.text_area(key=f"{prefix}_text").set_value(SOURCE).run()
+    assert not at.exception, [e.message for e in at.exception]
+    return at
+
+
+def test_inspect_shows_the_chosen_kind_and_cross_attention_is_rectangular(bart):
+    from attnlab import hf
+
+    at = _open("inspect", bart, kind="cross", neuron="1", focus="2")
+    assert at.text_area(key="inspect_target").value == TARGET
+    assert at.radio(key="inspect_kind").value == "cross"
+    result = hf.analyze(SOURCE, hf.load_model(str(bart)), target=TARGET)
+    M, N = len(result.target.tokens), len(result.source.tokens)
+    (chart,) = [c for c in at.get("plotly_chart") if "inspect_heatmap_cross" in c.proto.id]
+    spec = json.loads(chart.proto.spec)
+    layer, head = map(int, re.search(r"layer (\d+), head (\d+)", spec["layout"]["title"]["text"]).groups())
+    z = _z(spec)
+    assert z.shape == (M, N) and M != N
+    np.testing.assert_allclose(z, result.weights["cross"]["unas"][layer, head].numpy(), atol=1e-6)
+    assert any("encoder-decoder" in c.value for c in at.caption)
+    at.toggle(key="inspect_rollout_show").set_value(True).run()  # no chain of layers across the kinds
+    assert not at.exception and "is no such chain" in messages(at)
+    assert "is an encoder-decoder (bart): its layers' queries and keys come in three kinds" in messages(at)
+    at.radio(key="inspect_kind").set_value("decoder").run()  # square: the browser views draw it
+    assert not at.exception, [e.message for e in at.exception]
+    assert not [c for c in at.get("plotly_chart") if "inspect_heatmap_cross" in c.proto.id]
+
+
+@pytest.mark.parametrize("page, prefix", [("explaining_away", "away"), ("compare", "compare")])
+def test_the_kind_follows_the_user_to_the_other_pages(bart, page, prefix):
+    at = _open(page, bart, kind="cross")
+    assert at.radio(key=f"{prefix}_kind").value == "cross", messages(at)
+    at.radio(key=f"{prefix}_kind").set_value("encoder").run()
+    assert not at.exception, [e.message for e in at.exception]
+
+
+@pytest.mark.parametrize("page, words", [("embeddings", "is an encoder-decoder: Embeddings shows one text's"),
+                                         ("interventions", "per-head interventions cannot batch")])
+def test_one_text_pages_say_why_they_do_not_apply(bart, page, words):
+    at = _open(page, bart, kind="decoder")
+    assert words in messages(at)
+
+
+def test_no_target_box_for_a_model_that_is_not_an_encoder_decoder(app_env):
+    at = run_page("inspect")
+    assert not [t for t in at.text_area if t.key == "inspect_target"]
+    assert not [r for r in at.radio if r.key == "inspect_kind"]
