@@ -15,9 +15,10 @@ def test_stored_tensors_come_back_bit_for_bit(dtype):
     g = torch.Generator().manual_seed(0)
     spill = Spill(0, 1)
     base = (torch.randn(2, 5, 7, 3, generator=g) * 100).to(dtype)
-    tensors = [base, base.transpose(1, 2), base[:, 1:4, ::2], torch.empty(0, 3, dtype=dtype), base[0, 0, 0, 0]]
+    tensors = [base, base.transpose(1, 2), base[:, 1:4, ::2], torch.empty(0, 3, dtype=dtype),
+               base[0, 0, 0, 0]]
     where = [spill.put(t) for t in tensors]
-    for t, w in zip(tensors, where):
+    for t, w in zip(tensors, where, strict=True):
         back = spill.get(w)
         assert back.dtype == t.dtype and back.shape == t.shape
         assert torch.equal(back.reshape(-1).view(torch.uint8), t.contiguous().reshape(-1).view(torch.uint8))

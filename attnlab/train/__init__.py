@@ -53,14 +53,15 @@ __all__ = [
     "run",
 ]
 
-ACTIONS = ("fit", "speed", "multiview", "results", "list")
+ACTIONS = ("fit", "speed", "multiview", "results", "scale-results", "list")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", nargs="?", default="fit", choices=ACTIONS,
                         help="fit (default): train a model; speed: training tokens/s of unas, dnas, hnas; "
                              "multiview: the synthetic multi-view task; results: docs/RESULTS.md numbers and "
-                             "figures; list: shipped recipes")
+                             "figures; scale-results: its section (e), the HNAS-at-scale runs; list: shipped "
+                             "recipes")
     src = parser.add_mutually_exclusive_group()
     names = ", ".join(list_recipes() + list_recipes(pretrained=True))
     src.add_argument("--recipe", help=f"a shipped recipe name ({names})")
@@ -91,6 +92,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--figures", default="docs/figures", help="results: figure output directory")
     parser.add_argument("--multiview-json", help="results: reuse the multi-view numbers of this JSON "
                         "(output of `multiview --json` or `results --json`) instead of re-running the task")
+    parser.add_argument("--runs", default="runs/hnas-scale",
+                        help="scale-results: where unfinished scale runs are (shipped ones: --checkpoints)")
+    parser.add_argument("--windows", type=int, default=512,
+                        help="scale-results: held-out windows for the losses")
     parser.add_argument("--json", dest="json_out",
                         help="speed/multiview/results: also write the numbers here")
 
@@ -189,6 +194,14 @@ def run(args: argparse.Namespace) -> int:
 
             res = build_results(args.checkpoints, args.figures, seeds=args.seeds or 5,
                                 mv_steps=args.steps or 600, multiview_json=args.multiview_json)
+            _print_json(res, args.json_out)
+            return 0
+        if args.action == "scale-results":
+            from attnlab.train.scale_results import build_scale_results
+
+            if args.windows < 1:
+                raise ValueError(f"--windows must be a positive integer, got {args.windows}")
+            res = build_scale_results(args.checkpoints, args.figures, args.runs, n_windows=args.windows)
             _print_json(res, args.json_out)
             return 0
         if not args.out:
