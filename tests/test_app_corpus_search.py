@@ -96,3 +96,13 @@ def test_a_mass_search_needs_the_index_variant_and_nothing_is_listed_without_a_r
     assert "under unas, which this page does not analyse" in messages(at)
     at.radio(key="inspect_search_by").set_value("embedding").run()
     assert _results(at).iloc[0]["token"] == "sat"
+
+
+def test_the_corpus_page_asks_for_the_index(app_env):
+    """The Corpus page's "Token index for search" (on by default) adds --index to the command."""
+    from appkit.corpus_runs import command
+
+    assert "--index" in command(app_env, {"index": True}, "kjv")
+    assert "--index" not in command(app_env, {"index": False}, "kjv")
+    at = run_page("corpus")
+    assert at.checkbox(key="corpus_index").value is True

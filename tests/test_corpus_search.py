@@ -233,6 +233,11 @@ def test_resume_rewrites_a_shard_whole_and_refuses_other_index_settings(indexed_
         analyze_corpus(str(root), out=result.out, **{**settings, "index": False})
     with pytest.raises(ValueError, match="index_dims=64 needs index=True"):
         analyze_corpus(str(root), out=tmp_path / "x", **{**settings, "index": False}, index_dims=64)
+    with pytest.raises(ValueError, match="index_dims must be an integer >= 1 or None, got 0"):
+        analyze_corpus(str(root), out=tmp_path / "x", **settings, index_dims=0)
+    with pytest.raises(ValueError, match="index must be True or False, got 'yes'"):
+        analyze_corpus(str(root), out=tmp_path / "x", **{**settings, "index": "yes"})
+    assert not (tmp_path / "x").exists()
 
 
 @pytest.mark.slow  # a second small run, without the index

@@ -42,7 +42,7 @@ with st.expander("New corpus run", expanded=not corpus_runs.list_runs()), st.for
     column = e.text_input("Text column", "text", key=f"{P}_column")
     index = st.checkbox("Token index for search", value=True, key=f"{P}_index",
                         help="per token its last hidden state and the attention it receives, for Inspect's "
-                             "\"Find similar tokens\" (~0.9 GB per million tokens with MiniLM)")
+                             "\"Find similar tokens\" (~0.84 GB per million tokens with MiniLM)")
     submitted = st.form_submit_button("Start", type="primary")
 
 if submitted:

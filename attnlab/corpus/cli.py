@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     add("--device", default="cpu", help="local engine: cpu, cuda, cuda:N or auto (default: cpu)")
     add("--index", action="store_true", help="also write the token index for corpus search (DIR/index: "
-        "per token its last hidden state and received mass; ~0.9 GB per million MiniLM tokens)")
+        "per token its last hidden state and received mass; ~0.84 GB per million MiniLM tokens)")
     add("--index-dims", type=int, default=None, help="project the index's hidden states to this many "
         "dimensions (a fixed random projection; default: the model's width)")
     add("--overwrite", action="store_true", help="replace a run in DIR made with other settings")

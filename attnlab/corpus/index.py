@@ -23,8 +23,9 @@ indexed. ``index/shard-NNNNN.parquet`` holds the documents of ``rows/shard-NNNNN
                                       variant (the run's first): the masses the statistics use
 
 The settings (``CorpusSettings.index``) are part of the run's identity: a resumed run with other
-index settings is refused. Size: about ``2 K + 2 L H + 20`` bytes per token before compression
-(MiniLM-L6: K = 384, L H = 72 -> ~0.93 KB, ~0.9 GB per million tokens; docs/ANALYSIS.md).
+index settings is refused. Size: about ``2 K + 2 L H + 10`` bytes per token (float16 barely
+compresses); measured on MiniLM-L6 (K = 384, L H = 72) 843 bytes, 0.84 GB per million tokens
+(docs/ANALYSIS.md).
 """
 
 from __future__ import annotations
