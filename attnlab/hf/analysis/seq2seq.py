@@ -24,7 +24,7 @@ import torch
 
 from attnlab.hf.analysis.seq2seq_result import Seq2SeqResult
 from attnlab.hf.capture.interface import use_variant
-from attnlab.hf.capture.run_state import _layer_value, check_settings
+from attnlab.hf.capture.run_state import DEFAULT_U, _layer_value, check_settings
 from attnlab.hf.capture.seq2seq import FAMILIES, KINDS, capture_scores
 from attnlab.hf.capture.windows import Window, check_token_ids, iter_windows, plan_windows, special_affixes
 from attnlab.hf.capture.windows import tokenize_text as _tokenize
@@ -102,16 +102,19 @@ def _check_shapes(given: dict, info) -> None:
 
 
 def _recompute(loaded: LoadedModel, src: torch.Tensor, tgt: torch.Tensor, variants, given: dict) -> dict:
-    """kind -> variant -> (L, H, M, N) from the captured scores (attnlab/hf/capture/seq2seq.py)."""
-    with loaded.lock, torch.no_grad(), capture_scores(loaded.model, loaded.info.model_type) as records:
-        loaded.model(input_ids=src, decoder_input_ids=tgt, use_cache=False)
+    """kind -> variant -> (L, H, M, N) from the captured scores (attnlab/hf/capture/seq2seq.py), each
+    call's weights computed as the forward runs (one call's scores held at a time)."""
     out = {k: {v: [] for v in variants} for k in KINDS}
-    for r in records:  # scores (1, H, M, N), mask (1, 1, M, N)
+
+    def consume(r) -> None:  # scores (1, H, M, N), mask (1, 1, M, N)
         H = r.scores.shape[1]
         params = {n: _layer_value(x, r.layer, H) for n, x in given.items()}
         for v in variants:
             w = attention_weights(r.scores, v, mask=r.mask, causal=r.kind == "decoder", **params)
             out[r.kind][v].append(w[0].cpu())  # (H, M, N)
+
+    with loaded.lock, torch.no_grad(), capture_scores(loaded.model, loaded.info.model_type, consume):
+        loaded.model(input_ids=src, decoder_input_ids=tgt, use_cache=False)
     return {k: {v: torch.stack(ws) for v, ws in per.items()} for k, per in out.items()}
 
 
@@ -161,7 +164,7 @@ def analyze_seq2seq(text: str, loaded: LoadedModel, target: str | None, variants
     if target is None:
         notes.append("no target: the decoder reads its start token alone (one query row)")
     digest = hashlib.sha256(f"{text}\x00{target or ''}".encode()).hexdigest()
-    return Seq2SeqResult(model=info, variants=variants, mode=mode, u=given.get("u", 0.5),
+    return Seq2SeqResult(model=info, variants=variants, mode=mode, u=given.get("u", DEFAULT_U),
                          iters=check_params("sinkhorn", {"iters": given.get("iters")})["iters"],
                          source=src_window, target=tgt_window, weights=weights, text_sha256=digest,
                          notes=notes, device=str(dev))

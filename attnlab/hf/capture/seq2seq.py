@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -94,6 +94,7 @@ class ScoreRecord:
 class _Capture:
     modules: dict[int, tuple[str, int]]
     records: list[ScoreRecord]
+    consume: Callable[[ScoreRecord], None] | None = None  # takes each record in place of the list
 
 
 _ACTIVE: contextvars.ContextVar[_Capture | None] = contextvars.ContextVar("attnlab_seq2seq", default=None)
@@ -126,19 +127,26 @@ def _capture_attention(module, query, key, value, attention_mask, scaling=None, 
                                     "(encoder, decoder or cross); attnlab cannot tell what it attends")
     kind, layer = where
     mask = _full_mask(to_bool_mask(attention_mask, N), kind == "decoder", B, M, N, query.device)
-    capture.records.append(ScoreRecord(kind=kind, layer=layer, scores=scores.detach(), mask=mask))
+    record = ScoreRecord(kind=kind, layer=layer, scores=scores.detach(), mask=mask)
+    if capture.consume is not None:
+        capture.consume(record)
+    else:
+        capture.records.append(record)
     weights = torch.softmax(scores.masked_fill(~mask, torch.finfo(scores.dtype).min), dim=-1)
     out = torch.matmul(weights.to(value.dtype), value)  # (B, H, M, D)
     return out.transpose(1, 2).contiguous(), None
 
 
 @contextlib.contextmanager
-def capture_scores(model: torch.nn.Module, model_type: str) -> Iterator[list[ScoreRecord]]:
+def capture_scores(model: torch.nn.Module, model_type: str,
+                   consume: Callable[[ScoreRecord], None] | None = None) -> Iterator[list[ScoreRecord]]:
     """Record every attention call's scores and mask while ``model`` (an encoder-decoder of
-    ``FAMILIES``) runs its own eager attention; its implementation is restored on exit, also on error."""
+    ``FAMILIES``) runs its own eager attention; its implementation is restored on exit, also on error.
+    ``consume``: called with each record as it is made, which is then not kept (the list stays empty),
+    so that one call's (B, H, M, N) scores at a time are held."""
     AttentionInterface.register(CAPTURE_SCORES, _capture_attention)
     AttentionMaskInterface.register(CAPTURE_SCORES, sdpa_mask)
-    capture = _Capture(modules=kind_modules(model, model_type), records=[])
+    capture = _Capture(modules=kind_modules(model, model_type), records=[], consume=consume)
     previous = model.config._attn_implementation
     token = _ACTIVE.set(capture)
     try:
