@@ -198,6 +198,8 @@ def test_bad_input_is_a_worded_error_naming_the_argument(tiny, minilm, tmp_path)
         hf.analyze(SOURCE, loaded, target=TARGET, window=16)
     with pytest.raises(ValueError, match=r"is an encoder-decoder.*expected hf.analyze\(text, model, target"):
         hf.stream_analysis(SOURCE, loaded)
+    with pytest.raises(ValueError, match=r"is an encoder-decoder.*batch_weights takes one text"):
+        hf.batch_weights(loaded, torch.tensor([[5, 6, 7]]), None)
     with pytest.raises(ValueError, match=r"kind must be one of encoder, decoder, cross, got 'self'"):
         hf.analyze(SOURCE, loaded, ["unas"]).view("self")
     with pytest.raises(ValueError, match=r"u must .*\(L, H\).*got shape \(3, 4\) \(the encoder of"):

@@ -277,6 +277,10 @@ def batch_weights(
     """
     loaded = model_on(model, device)
     variants, given = check_arguments(variants, mode, {"u": u, "iters": iters, **params}, loaded.info)
+    if loaded.info.encoder_decoder:  # three kinds of attention, two texts (attnlab/hf/analysis/seq2seq.py)
+        raise ValueError(f"model {loaded.info.name} is an encoder-decoder ({loaded.info.model_type}): "
+                         "expected hf.analyze(text, model, target=...), which gives its encoder, decoder and "
+                         "cross attention; batch_weights takes one text's self-attention")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dtype in (torch.bool,) \
             or input_ids.is_floating_point() or input_ids.is_complex():
         seen = f"dtype {input_ids.dtype}" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
