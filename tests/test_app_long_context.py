@@ -92,13 +92,17 @@ def test_explained_away_by_streams_a_streamed_window(tiny_model_dir, english_tex
 def long_llama(app_env):
     """A tiny random LLaMA (2 layers, 4 heads on 2 key heads) with 2,048 positions and MiniLM's
     WordPiece tokenizer, saved under the app's model roots."""
+    return build_long_llama(app_env / "long-llama")
+
+
+def build_long_llama(path):
+    """Write :func:`long_llama`'s model to ``path``; returns it (also tests/test_browser_long.py's)."""
     import transformers
     from conftest import TINY_CONFIGS
     from transformers import AutoTokenizer
 
     from attnlab import hf
 
-    path = app_env / "long-llama"
     tokenizer = AutoTokenizer.from_pretrained(hf.default_model_path(), local_files_only=True)
     tokenizer.model_max_length = 2048
     config = transformers.LlamaConfig(vocab_size=len(tokenizer),

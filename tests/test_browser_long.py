@@ -25,22 +25,12 @@ TEXT = " ".join(["The cat sat on the mat because it was tired and the dog barked
 def long_server(tmp_path_factory):
     """(url, model folder, the text's tokens as the model reads them) of a server whose model roots
     hold a tiny random LLaMA with 2,048 positions."""
-    import torch
-    import transformers
-    from conftest import TINY_CONFIGS
-    from transformers import AutoTokenizer
+    from test_app_long_context import build_long_llama
 
     from attnlab import hf
 
     root = tmp_path_factory.mktemp("long")
-    folder = root / "long-llama"
-    tokenizer = AutoTokenizer.from_pretrained(hf.default_model_path(), local_files_only=True)
-    tokenizer.model_max_length = 2048
-    config = transformers.LlamaConfig(vocab_size=len(tokenizer),
-                                      **{**TINY_CONFIGS["llama"][1], "max_position_embeddings": 2048})
-    torch.manual_seed(0)
-    transformers.AutoModel.from_config(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    folder = build_long_llama(root / "long-llama")
     tokens = hf.stream_analysis(TEXT, hf.load_model(str(folder)), ("unas",)).window(0).tokens
     before = os.environ.get("ATTNLAB_MODEL_ROOTS")
     os.environ["ATTNLAB_MODEL_ROOTS"] = str(root)
