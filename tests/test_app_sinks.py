@@ -114,3 +114,17 @@ def test_sink_views_on_a_bidirectional_model_say_what_they_are(app_env):
     assert "This model is bidirectional" in " ".join(c.value for c in at.caption)
     for name in ("sink_importance", "sink_rate", "first_token_mass", "massive_activations"):
         assert long._chart(at, f"away_{name}")["data"]
+
+
+def test_sink_views_on_an_attnlab_checkpoint_say_it_has_no_massive_activations(app_env):
+    """A shipped native checkpoint (bidirectional): the importance views are drawn, massive activations
+    (hooks on transformers layers) are not, and the page says why."""
+    at = run_page("explaining_away")
+    hnas = [o for o in at.selectbox(key="away_model").options if o.startswith("enc-hnas")]
+    if not hnas:
+        pytest.skip("no shipped checkpoint enc-hnas")
+    at.selectbox(key="away_model").set_value(hnas[0]).run()
+    assert not at.exception and not at.error, messages(at)
+    assert "attnlab's own checkpoints have none" in messages(at)
+    for name in ("sink_importance", "sink_rate", "first_token_mass"):
+        assert long._chart(at, f"away_{name}")["data"]
