@@ -77,7 +77,8 @@ def test_the_kind_follows_the_user_to_the_other_pages(bart, page, prefix):
 
 
 @pytest.mark.parametrize("page, words", [("embeddings", "is an encoder-decoder: Embeddings shows one text's"),
-                                         ("interventions", "per-head interventions cannot batch")])
+                                         ("interventions", "per-head interventions do not support "
+                                                           "encoder-decoders: ")])
 def test_one_text_pages_say_why_they_do_not_apply(bart, page, words):
     at = _open(page, bart, kind="decoder")
     assert words in messages(at)
@@ -87,3 +88,21 @@ def test_no_target_box_for_a_model_that_is_not_an_encoder_decoder(app_env):
     at = run_page("inspect")
     assert not [t for t in at.text_area if t.key == "inspect_target"]
     assert not [r for r in at.radio if r.key == "inspect_kind"]
+
+
+def test_sinkhorn_rounds_above_one_apply_to_the_encoder_and_cross_attention(bart):
+    """iters=5 is not refused (the decoder's causal rule applies to its self-attention alone): the
+    cross map under Sinkhorn equals the library's with iters=5."""
+    from attnlab import hf
+
+    at = _open("inspect", bart, kind="cross", variant="sinkhorn")
+    at.number_input(key="inspect_sinkhorn_iters").set_value(5).run()
+    assert not at.exception, [e.message for e in at.exception]
+    assert "they take iters=5" in " ".join(c.value for c in at.caption), messages(at)
+    result = hf.analyze(SOURCE, hf.load_model(str(bart)), target=TARGET, iters=5)
+    (chart,) = [c for c in at.get("plotly_chart") if "inspect_heatmap_cross" in c.proto.id]
+    spec = json.loads(chart.proto.spec)
+    title = spec["layout"]["title"]["text"]
+    assert title.startswith("sinkhorn: cross-attention"), title
+    layer, head = map(int, re.search(r"layer (\d+), head (\d+)", title).groups())
+    np.testing.assert_allclose(_z(spec), result.weights["cross"]["sinkhorn"][layer, head].numpy(), atol=1e-6)

@@ -220,3 +220,48 @@ def test_a_tensor_u_per_layer_and_head_is_applied_per_kind(tiny):
         w = result.weights[kind]
         torch.testing.assert_close(w["hnas"][0], w["unas"][0], rtol=0, atol=1e-6)
         torch.testing.assert_close(w["hnas"][1], w["dnas"][1], rtol=0, atol=1e-6)
+
+
+def test_sinkhorn_rounds_apply_per_kind_the_decoder_taking_its_causal_rule(tiny):
+    """iters=5: the encoder's and the cross-attention's Sinkhorn run 5 rounds, the decoder's causal
+    self-attention 1 (its causal rule), each equal to the reference on literal scores."""
+    loaded = tiny("bart")
+    result = hf.analyze(SOURCE, loaded, ["dnas", "sinkhorn"], target=TARGET, iters=5)
+    assert result.iters == 5
+    scores = _literal_scores(loaded, *_ids(result))
+    for kind in KINDS:
+        causal = kind == "decoder"
+        for layer, s in enumerate(scores[kind]):
+            ref = attention_weights(s, "sinkhorn", causal=causal, **({} if causal else {"iters": 5}))[0]
+            torch.testing.assert_close(result.weights[kind]["sinkhorn"][layer], ref, rtol=0, atol=1e-5,
+                                       msg=f"{kind} layer {layer}")
+    one_round = attention_weights(scores["cross"][0], "sinkhorn", iters=1)[0]
+    assert (result.weights["cross"]["sinkhorn"][0] - one_round).abs().max() > 1e-6, "5 rounds, not 1"
+    torch.testing.assert_close(result.weights["decoder"]["sinkhorn"], result.weights["decoder"]["dnas"],
+                               rtol=0, atol=1e-5)  # causal iters=1 is causal DNAS
+    assert any("decoder's self-attention is causal: sinkhorn uses iters=1" in n for n in result.notes)
+    assert any("cross-attention are not causal: they take iters=5" in n for n in result.notes)
+    with pytest.raises(ValueError, match=r"iters must be 1 for causal sinkhorn"):
+        hf.analyze(SOURCE, loaded, ["sinkhorn"], mode="swap", target=TARGET, iters=5)
+
+
+def test_low_level_swaps_refuse_a_per_layer_tensor_and_interventions_say_what_is_supported(tiny):
+    """hf.use_variant's layer counter counts every attention call (the three kinds interleave), so a
+    per-layer or per-head tensor is refused on an encoder-decoder, pointing to hf.analyze(..., target=);
+    a number still swaps every call; per-head interventions refuse it in words."""
+    from attnlab.hf.beyond.interventions import head_interventions
+
+    loaded = tiny("bart")
+    src, tgt = torch.tensor([[0, 5, 6, 7, 2]]), torch.tensor([[2, 5, 6]])
+    for u in (torch.full((2, 4), 0.3), torch.full((4,), 0.3)):
+        with pytest.raises(ValueError, match=r"u: use_variant on an encoder-decoder \(bart\).*expected a "
+                                             r"number, got a tensor of shape.*hf.analyze\(source, model, "
+                                             r"target"):
+            with hf.use_variant(loaded.model, "hnas", u=u):
+                pass
+    assert loaded.model.config._attn_implementation != "attnlab_hnas"  # nothing was swapped in
+    with torch.no_grad(), hf.use_variant(loaded.model, "hnas", u=torch.tensor(0.3)):
+        loaded.model(input_ids=src, decoder_input_ids=tgt, use_cache=False)
+    with pytest.raises(ValueError, match=r"per-head interventions do not support encoder-decoders: .* is a "
+                                         r"bart encoder-decoder.*Supported on it: .*not supported: one head"):
+        head_interventions(loaded, SOURCE)

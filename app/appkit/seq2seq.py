@@ -54,9 +54,9 @@ def seq2seq_inputs(prefix: str) -> tuple[str | None, str]:
 @st.cache_resource(max_entries=3, ttl=1800, show_spinner=False)
 def _result(kind: str, path: str | None, text: str, target: str | None, variants: tuple, mode: str, u: float,
             iters: int, extra: tuple = ()):
-    """The encoder-decoder's analysis (``hf.analyze(text, model, target=...)``) of source and target;
-    the Sinkhorn slider at its default: the decoder's causal rule (one round) applies, as for causal
-    models."""
+    """The encoder-decoder's analysis (``hf.analyze(text, model, target=...)``) of source and target.
+    Sinkhorn's rounds apply per kind: the encoder's and the cross-attention take the box's value, the
+    decoder's causal self-attention its causal rule's one round (a note says so)."""
     model = load(Source(kind, path, ""))
     if iters == attnlab.variant_spec("sinkhorn").param("iters").default:
         iters = None

@@ -33,7 +33,7 @@ from attnlab.hf.load.model_info import LoadedModel
 from attnlab.hf.load.seq2seq import decoder_start_id
 from attnlab.normalizers import attention_weights, check_params
 
-__all__ = ["analyze_seq2seq", "check_target", "seq2seq_windows"]
+__all__ = ["analyze_seq2seq", "causal_given", "check_target", "seq2seq_windows"]
 
 
 def check_target(target, info) -> None:
@@ -101,14 +101,32 @@ def _check_shapes(given: dict, info) -> None:
             raise ValueError(f"{e} (the {kind} of {info.name})") from None
 
 
+def causal_given(variants, given: dict) -> dict:
+    """The parameters the decoder's self-attention takes: ``given`` less those a variant's causal rule
+    refuses (e.g. Sinkhorn's iters > 1), which then take the rule's value (iters=1) there, while the
+    encoder's and the cross-attention, not causal, take them as given."""
+    refused = {n for n, x in given.items() for v in variants if not _causal_accepts(v, n, x)}
+    return {n: x for n, x in given.items() if n not in refused}
+
+
+def _causal_accepts(variant: str, name: str, value) -> bool:
+    try:
+        check_params(variant, {name: value}, causal=True)
+    except ValueError:
+        return False
+    return True
+
+
 def _recompute(loaded: LoadedModel, src: torch.Tensor, tgt: torch.Tensor, variants, given: dict) -> dict:
     """kind -> variant -> (L, H, M, N) from the captured scores (attnlab/hf/capture/seq2seq.py), each
-    call's weights computed as the forward runs (one call's scores held at a time)."""
+    call's weights computed as the forward runs (one call's scores held at a time). The decoder's
+    self-attention takes :func:`causal_given`'s parameters, the encoder and cross-attention ``given``."""
     out = {k: {v: [] for v in variants} for k in KINDS}
+    per_kind = {"encoder": given, "decoder": causal_given(variants, given), "cross": given}
 
     def consume(r) -> None:  # scores (1, H, M, N), mask (1, 1, M, N)
         H = r.scores.shape[1]
-        params = {n: _layer_value(x, r.layer, H) for n, x in given.items()}
+        params = {n: _layer_value(x, r.layer, H) for n, x in per_kind[r.kind].items()}
         for v in variants:
             w = attention_weights(r.scores, v, mask=r.mask, causal=r.kind == "decoder", **params)
             out[r.kind][v].append(w[0].cpu())  # (H, M, N)
@@ -149,7 +167,10 @@ def analyze_seq2seq(text: str, loaded: LoadedModel, target: str | None, variants
     variants, given = check_arguments(variants, mode, {"u": u, "iters": iters, **params})
     _check_shapes(given, info)
     for v in variants:  # the decoder's self-attention is causal: each variant's causal rule applies
-        check_params(v, given, causal=True)
+        check_params(v, given)  # there (causal_given); the encoder and cross-attention take ``given``
+    if mode == "swap":
+        for v in variants:
+            check_params(v, given, causal=True)  # one value for every call of the three kinds
     src_window, tgt_window = seq2seq_windows(loaded, text, target)
     dev = loaded.device
     src = torch.tensor([src_window.input_ids], device=dev)  # (1, N)
@@ -158,8 +179,13 @@ def analyze_seq2seq(text: str, loaded: LoadedModel, target: str | None, variants
     weights = compute(loaded, src, tgt, variants, given)
     from attnlab.hf.analysis.pipeline import _causal_notes
 
+    decoder = causal_given(variants, given)
     causal = [n.replace(f"{info.name} is causal", "the decoder's self-attention is causal")
-              for n in _causal_notes(info.name, variants, given)]
+              for n in _causal_notes(info.name, variants, decoder)]
+    kept = {n: given[n] for n in given.keys() - decoder.keys()}
+    if kept:  # e.g. iters=5: the encoder and cross-attention take it, the decoder the causal rule's
+        causal.append("the encoder's self-attention and the cross-attention are not causal: they take "
+                      + ", ".join(f"{n}={x!r}" for n, x in sorted(kept.items())))
     notes = list(loaded.notes) + causal
     if target is None:
         notes.append("no target: the decoder reads its start token alone (one query row)")

@@ -131,6 +131,19 @@ def _input_ids(loaded: LoadedModel, text, window_index: int, window, overlap) ->
     )
 
 
+def encoder_decoder_message(info) -> str:
+    """Why per-head interventions refuse an encoder-decoder, and what it supports instead."""
+    return (
+        f"per-head interventions do not support encoder-decoders: {info.name} is a {info.model_type} "
+        "encoder-decoder, whose encoder self-attention, decoder self-attention and cross-attention read "
+        "two texts (a source and a target), and swapping one of their heads has no one output measure "
+        "here (hidden states for encoders, log-likelihood for causal LMs). Supported on it: the maps of "
+        "the three kinds under every variant, hf.analyze(source, model, target=...) (recompute mode; "
+        "swap mode runs a variant in every head at once, BART family); not supported: one head "
+        "swapped at a time, in any of the three kinds"
+    )
+
+
 def head_interventions(
     model: LoadedModel | str | os.PathLike | None,
     text,
@@ -164,6 +177,8 @@ def head_interventions(
         for encoders, ``loglik_change`` for causal LMs.
     """
     loaded = model_on(model, device)
+    if loaded.info.encoder_decoder:
+        raise ValueError(encoder_decoder_message(loaded.info))
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {tuple(VARIANTS)}, got {variant!r}")
     info, net = loaded.info, loaded.model

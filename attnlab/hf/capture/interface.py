@@ -326,6 +326,22 @@ def _implementation(model, name: str, run: _Run) -> Iterator[_Run]:
             model.set_attn_implementation(previous)
 
 
+def _refuse_per_layer_on_seq2seq(config, params: dict) -> None:
+    """ValueError naming the parameter when an encoder-decoder is given a per-layer or per-head tensor:
+    the layer counter counts every attention call, which interleave the encoder's, the decoder's and
+    the cross-attention's layers, so row l would not be layer l of its stack."""
+    if not getattr(config, "is_encoder_decoder", False):
+        return
+    for name, value in params.items():
+        if isinstance(value, torch.Tensor) and value.numel() > 1:
+            raise ValueError(
+                f"{name}: use_variant on an encoder-decoder ({getattr(config, 'model_type', '?')}) takes one "
+                "value for every attention call (its calls interleave the encoder's, the decoder's and the "
+                f"cross-attention's layers); expected a number, got a tensor of shape {tuple(value.shape)}; "
+                "for one value per layer and head of each stack use hf.analyze(source, model, target=...)"
+            )
+
+
 @contextlib.contextmanager
 def use_variant(
     model,
@@ -344,10 +360,12 @@ def use_variant(
     ``**params`` are the variants' parameters (``u``: HNAS, a float or a tensor broadcastable to
     (L, H); ``iters``, ``tol``: Sinkhorn, whose causal use takes iters=1). The previous implementation
     is restored on exit, also on error. A variant registered after import is registered with
-    transformers here.
+    transformers here. On an encoder-decoder parameters are numbers (a tensor is refused: its
+    attention calls interleave the three kinds, see ``hf.analyze(source, model, target=...)``).
     """
     register_attention_functions()
     config = getattr(model, "config", None)
+    _refuse_per_layer_on_seq2seq(config, params)
     shape = (getattr(config, "num_hidden_layers", None), getattr(config, "num_attention_heads", None))
     run = _Run(settings=check_settings(params, *shape), return_weights=return_weights)
     with _implementation(model, implementation_name(variant), run):
