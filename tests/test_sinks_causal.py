@@ -113,3 +113,27 @@ def test_streamed_sink_table_equals_the_dense_one(which, tiny_model_dir, english
     assert len(both) == len(want) == len(got)
     gap = (both.value - both.value_ref).abs()
     assert (gap <= 2e-5).all(), both[gap > 2e-5]
+
+
+def test_a_native_decoders_importance_counts_only_the_queries_that_see_each_key(tmp_path):
+    """attnlab's own causal checkpoint (weights materialized, not streamed): I_j divides by N - j, as
+    sinks.sink_importance(causal=True) on its weights; a bidirectional window divides by N."""
+    from attnlab import hf
+    from attnlab.train import RunConfig, train
+
+    text = "In the beginning God created the heaven and the earth. " * 80
+    cfg = RunConfig.from_dict({
+        "name": "dec", "model": {"kind": "decoder", "d_model": 16, "n_layers": 2, "n_heads": 2, "d_ff": 32},
+        "data": {"tokenizer": "byte", "seq_len": 32},
+        "train": {"steps": 2, "batch_size": 4, "warmup": 1, "eval_every": 2, "eval_batches": 1},
+    })
+    train(cfg, tmp_path / "dec", text=text, progress=False)
+    win = hf.analyze("And God said, Let there be light.", hf.load_model(tmp_path / "dec")).windows[0]
+    assert win.causal
+    for v, got in win.sink_importance().items():
+        want = sinks.sink_importance(win.weights[v].double(), causal=True)
+        torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=1e-5)
+    win.causal = False  # the bidirectional rule, on the same weights
+    for v, got in win.sink_importance().items():
+        torch.testing.assert_close(got.double(), win.weights[v].double().sum(-2) / win.weights[v].shape[-2],
+                                   atol=1e-6, rtol=1e-5)

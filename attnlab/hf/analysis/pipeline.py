@@ -118,7 +118,7 @@ class AnalysisStream:
             weights, parts = native_weights(self.loaded, ids, None, self.variants, self.mode, self.params)
             components = {v: {n: t[:, 0] for n, t in p.items()} for v, p in parts.items() if p}
             return WindowResult(window=window, weights={v: w[:, 0] for v, w in weights.items()}, u=self.u,
-                                components=components)
+                                components=components, causal=self.model.causal)
         special = torch.from_numpy(window.special)
         masks = [special | torch.from_numpy(window.punctuation), special]  # table()'s two choices
         with contribution_view.recording(self) as record:
@@ -132,7 +132,8 @@ class AnalysisStream:
             shape = (self.model.n_layers, self.model.n_heads, N, N)  # (L, H, N, N): no weight computed
             sums = {v: stats.RowSums.from_dict(raw, shape) for v, raw in sums.items()}
             cache = (sums, masks, _fingerprint(weights))
-        return WindowResult(window=window, weights=weights, u=self.u, _sums=cache, values=record.values())
+        return WindowResult(window=window, weights=weights, u=self.u, _sums=cache, values=record.values(),
+                            causal=self.model.causal)
 
     def collect(self, progress: bool = False) -> AnalysisResult:
         """Run every window and keep the results."""

@@ -45,6 +45,7 @@ class WindowResult:
     _sums: tuple | None = field(default=None, repr=False, compare=False)
     # variant -> value norms and Gram matrices (hf.capture.values.ValueSummary), with contributions=True
     values: dict | None = field(default=None, repr=False, compare=False)
+    causal: bool = False  # the window's attention is causal (query i sees keys j <= i)
 
     @property
     def value_norms(self) -> torch.Tensor:
@@ -142,12 +143,19 @@ class WindowResult:
     def sink_importance(self) -> dict[str, torch.Tensor]:
         """{variant: (L, H, N)} the causal-corrected importance of every key (Gu et al. 2024,
         ``attnlab.sinks.sink_importance``): column mass / queries that may attend the key (from the
-        layers' masks on a streamed window; every query on a bidirectional one)."""
+        layers' masks on a streamed window; N - j queries on another causal window, every query on a
+        bidirectional one)."""
+        from attnlab.sinks import queries_per_key
+
         masses = self.column_masses()
         window = self._streamed_window()
         first = next(iter(masses.values()))
         L, H, N = first.shape
-        counts = window.counts() if window is not None else torch.full((L, N), float(N))  # (L, N)
+        if window is not None:  # the layers' own masks and windows
+            counts = window.counts()  # (L, N)
+        else:  # causal: N - j queries (M queries at the end of the keys); else all M
+            M = next(iter(self.weights.values())).shape[-2]
+            counts = queries_per_key(M, N, self.causal).expand(L, N)
         counts = counts[:, None, :].to(first.dtype)
         return {v: torch.where(counts > 0, m / counts.clamp(min=1), torch.zeros_like(m))
                 for v, m in masses.items()}

@@ -125,7 +125,7 @@ class Seq2SeqResult:
         info = dataclasses.replace(self.model, n_layers=L, n_heads=H, n_kv_heads=H, causal=kind == "decoder")
         n = len(keys.tokens)
         windowing = Windowing(window=n, content=n, stride=n, overlap=0, n_tokens=n, n_windows=1, starts=(0,))
-        window = WindowResult(window=keys, weights=dict(weights), u=self.u)
+        window = WindowResult(window=keys, weights=dict(weights), u=self.u, causal=kind == "decoder")
         return AnalysisResult(model=info, variants=self.variants, mode=self.mode, u=self.u, iters=self.iters,
                               windowing=windowing, windows=[window], text_sha256=self.text_sha256,
                               notes=list(self.notes), device=self.device)
