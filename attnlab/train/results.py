@@ -148,7 +148,10 @@ def _mass_stats(rel: torch.Tensor, M: int) -> list[dict]:
 
 
 def _write(fig, path: Path) -> str:
-    fig.write_image(str(path), width=900, height=500, scale=1)
+    """PNG through attnlab's kaleido session (one Chromium kept per process; attnlab.figures.export)."""
+    from attnlab.figures.export import export_figure
+
+    export_figure(fig, Path(path), width=900, height=500, scale=1)
     return str(path)
 
 

@@ -255,6 +255,7 @@ def build_scale_results(
                     x=x + x[::-1],
                     y=[r["high"] for r in rows] + [r["low"] for r in rows][::-1],
                     fill="toself",
+                    mode="lines",
                     fillcolor="rgba(44,160,44,0.2)",
                     line={"width": 0},
                     name="95 % t-interval over seeds",
