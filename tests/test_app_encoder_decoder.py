@@ -63,6 +63,7 @@ def test_inspect_shows_the_chosen_kind_and_cross_attention_is_rectangular(bart):
     at.toggle(key="inspect_rollout_show").set_value(True).run()  # no chain of layers across the kinds
     assert not at.exception and "is no such chain" in messages(at)
     assert "is an encoder-decoder (bart): its layers' queries and keys come in three kinds" in messages(at)
+    assert "inspect_heatmap_view" not in _views(at), "the cross map is the library's figure"
     at.radio(key="inspect_kind").set_value("decoder").run()  # square: the browser views draw it
     assert not at.exception, [e.message for e in at.exception]
     assert not [c for c in at.get("plotly_chart") if "inspect_heatmap_cross" in c.proto.id]
@@ -106,3 +107,66 @@ def test_sinkhorn_rounds_above_one_apply_to_the_encoder_and_cross_attention(bart
     assert title.startswith("sinkhorn: cross-attention"), title
     layer, head = map(int, re.search(r"layer (\d+), head (\d+)", title).groups())
     np.testing.assert_allclose(_z(spec), result.weights["cross"]["sinkhorn"][layer, head].numpy(), atol=1e-6)
+
+
+def _views(at) -> dict[str, dict]:
+    from appkit.token_views import decoded
+
+    return {c.key.removesuffix("_view"): decoded(json.loads(c.proto.json)) for c in at.get("bidi_component")
+            if c.proto.component_name == "attnlab.token_views"}
+
+
+def test_cross_head_view_and_model_view_take_target_rows_and_source_columns(bart):
+    """The browser's head view and model view of cross-attention receive the (M, N) maps with the M
+    target tokens (queries, left) and the N source tokens (keys, right); the focus is a source token;
+    the Export builds the library's figure with both lists."""
+    from appkit.token_views import view_data
+
+    from attnlab import hf
+
+    at = _open("inspect", bart, kind="cross", focus="3")
+    result = hf.analyze(SOURCE, hf.load_model(str(bart)), target=TARGET)
+    queries, keys = result.tokens("cross")
+    M, N = len(queries), len(keys)
+    shown = _views(at)
+    head = shown["inspect_head_view"]
+    assert (head["m"], head["n"]) == (M, N) and M != N
+    assert head["query_tokens"] == queries and head["tokens"] == keys
+    layer, h = int(re.search(r"layer (\d+)", head["title"]).group(1)), head["head_shown"]
+    w = result.weights["cross"]["unas"]  # (L, H, M, N)
+    np.testing.assert_allclose(head["map"], w[layer, h].numpy(), atol=1e-6)
+    np.testing.assert_allclose(head["heads_map"], w[layer].numpy(), atol=1e-6)  # (H, M, N)
+    assert head["focus"] == 3, "the focus: the source token 3"
+    model = shown["inspect_model_view"]
+    assert (model["m"], model["n"]) == (M, N) and model["query_tokens"] == queries
+    dense = np.zeros((w.shape[0] * w.shape[1], M * N))
+    for k in range(dense.shape[0]):
+        span = slice(model["model_off"][k], model["model_off"][k + 1])
+        dense[k, model["model_idx"][span]] = model["model_val"][span] * (model["model_max"] / 255)
+    drawn = np.where(w.numpy() >= model["min_weight"], w.numpy(), 0.0).reshape(-1, M * N)
+    np.testing.assert_allclose(dense, drawn, atol=float(w.max()) / 255 / 2 + 1e-7)
+    assert "inspect_focus_bar" in shown and shown["inspect_focus_bar"]["tokens"] == keys
+    assert not [c for c in at.caption if "draw self-attention only" in c.value]
+    from appkit.show import bundle
+
+    view = _kind_view(bart)  # the page's Export builds the library's figure from the same view
+    b = bundle("head_view", view, {"variant": "unas", "layer": 0, "head": 1, "focus": 3, "heads": [1]})
+    assert list(b.figure.data[-2].text) == queries and list(b.figure.data[-1].text) == keys
+    np.testing.assert_allclose(b.arrays["unas"], w[0, 1].numpy(), atol=1e-6)  # (M, N)
+    assert decoded_shape(view_data("head_view", view, "unas", 0, 1)) == (M, N)
+
+
+def _kind_view(path):
+    """The app's cross view (appkit.seq2seq.kind_view) of SOURCE and TARGET, outside a page."""
+    from appkit.analysis import Settings
+    from appkit.seq2seq import kind_view
+    from appkit.sources import Source
+
+    s = Settings(Source("hf", str(path), "bart"), ("unas", "dnas"), "recompute", 0.5, 3)
+    return kind_view(s, SOURCE, TARGET, "cross")
+
+
+def decoded_shape(data: dict) -> tuple:
+    from appkit.token_views import decoded
+
+    return decoded(data)["map"].shape

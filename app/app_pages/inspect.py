@@ -24,6 +24,7 @@ st.title("Inspect attention")
 text, settings = inputs(P)
 view = window_view(P, settings, text)
 L, H, N = view.shape
+side = max(N, len(view.query_tokens or ()))  # the line views' rows (cross-attention: M targets, N sources)
 st.caption(
     f"**{view.info.name}** — {L} layers × {H} heads, {N} tokens in this window. Mode: {settings.mode}."
 )
@@ -41,17 +42,17 @@ span = None  # a long context: the tokens [lo, hi) the head view and the strip d
 if N > LONG_CONTEXT:  # one head's map downsampled, a region at full resolution; the rest around the focus
     span = long_map(P, view, chosen, layer, head, text)
     token_view(P, "head_view", view, chosen, layer, head, text=text, span=span)
-elif N <= SIDE_BY_SIDE_MAX_TOKENS:  # the map and the head view side by side
+elif side <= SIDE_BY_SIDE_MAX_TOKENS:  # the map and the head view side by side
     maps, lines = st.columns([3, 2])
     with maps:
         token_view(P, "heatmap", view, chosen, layer, head, text=text)
     with lines:
         token_view(P, "head_view", view, chosen, layer, head, text=text)
-elif N <= HEAD_VIEW_MAX_TOKENS:  # the map over the whole width (every token labelled), the head view below
+elif side <= HEAD_VIEW_MAX_TOKENS:  # the map over the whole width (every token labelled), the head view below
     token_view(P, "heatmap", view, chosen, layer, head, text=text)
     token_view(P, "head_view", view, chosen, layer, head, text=text)
 else:  # a long window: the map gets the whole width
-    st.caption(f"The head view draws up to {HEAD_VIEW_MAX_TOKENS} tokens; this window has {N}.")
+    st.caption(f"The head view draws up to {HEAD_VIEW_MAX_TOKENS} tokens; this window has {side}.")
     token_view(P, "heatmap", view, chosen, layer, head, text=text)
 
 st.subheader("Neuron view: what makes one weight")
@@ -65,11 +66,11 @@ whole_layer = st.toggle("Mean over the layer's heads", value=True, key=f"{P}_mas
 token_view(P, "token_mass", view, chosen, layer, None if whole_layer else head, text=text, span=span)
 
 st.subheader("Every layer and head: head views (model view)")
-if N <= MODEL_VIEW_MAX_TOKENS:
+if side <= MODEL_VIEW_MAX_TOKENS:
     token_view(P, "model_view", view, chosen, layer, head, text=text)
 else:
     st.info(
-        f"The model view draws up to {MODEL_VIEW_MAX_TOKENS} tokens and this window has {N}: "
+        f"The model view draws up to {MODEL_VIEW_MAX_TOKENS} tokens and this window has {side}: "
         "the layer × head grid below shows every map of it."
     )
 

@@ -2,9 +2,10 @@
 the text, one selector of the kind of attention shown (encoder, decoder, cross) that follows the user
 from page to page and lives in the URL, and the chosen kind's analysis as a :class:`WindowView`, so
 the pages draw it as they draw any model's. Cross-attention is rectangular (target rows x source
-columns: ``view.query_tokens`` name the rows); the browser views draw one token list, so for it the
-map and the layer x head grid are the library's figures and the token strip shows each source token's
-column mass (:func:`rectangular_view`).
+columns: ``view.query_tokens`` name the rows): the browser's head view and model view draw it (target
+tokens left, source tokens right, the focus a source token: appkit/token_views.py); its map and layer
+x head grid are the library's figures and its token strip shows each source token's column mass
+(:func:`rectangular_view`).
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ def seq2seq_view(prefix: str, s: Settings, text: str, busy) -> WindowView:
 
 
 def rectangular_view(prefix: str, what: str, view: WindowView, variant: str, layer: int, head: int | None):
-    """``what`` (a token view's kind) of a cross-attention view, M target rows x N source columns."""
+    """``what`` (the map, the grid or the strip) of a cross-attention view, M target rows x N source
+    columns, as the library's figure (the head and model views: the browser's, appkit/token_views.py)."""
     from attnlab import figures
     from attnlab.figures.views import token_mass_strip
 
@@ -107,14 +109,10 @@ def rectangular_view(prefix: str, what: str, view: WindowView, variant: str, lay
                                         title=f"{variant}: cross-attention, layer {layer}, head {head}")
     elif what == "grid":
         fig = figures.attention_grid(w, keys, title=f"{variant}: cross-attention by layer and head")
-    elif what == "token_mass":
+    else:  # token_mass
         mass = w[layer].sum(-2).mean(0) if head is None else w[layer, head].sum(-2)  # (N,)
         where = "mean over heads" if head is None else f"head {head}"
         fig = token_mass_strip(keys, mass, bound=1.0 / len(keys), what="mass",
                                title=f"{variant}: attention each source token receives from the "
                                f"{len(queries)} target tokens (layer {layer}, {where})")
-    else:
-        st.caption("The head view and the model view draw self-attention over one token list; "
-                   "cross-attention's target rows × source columns are in the map.")
-        return
     st.plotly_chart(fig, key=key, width="stretch")

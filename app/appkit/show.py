@@ -61,7 +61,8 @@ def _bundle(
     first = _views[0]
     weights = first.weights if len(_views) == 1 else [v.weights for v in _views]
     u = first.u if isinstance(first.u, float) else None
-    return app_views.build(kind, weights, first.tokens, params, u=u, labels=list(labels) if labels else None)
+    return app_views.build(kind, weights, first.tokens, params, u=u, labels=list(labels) if labels else None,
+                           query_tokens=first.query_tokens if len(_views) == 1 else None)
 
 
 def bundle(

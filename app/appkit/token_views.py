@@ -6,6 +6,10 @@ the focus for the other pages and the URL (``appkit.show.focus``).
 Each view gets the analysis it draws, float32 (the map and the strip's map, exact values in the
 hover) or, for the model view's L x H maps, the pairs it draws (weight >= its minimum), one byte per
 weight (at most 64 tokens).
+Cross-attention (an encoder-decoder's target queries x source keys, ``view.query_tokens``): the head
+view and the model view draw its rectangular (M, N) maps, the target tokens on the left, the source
+tokens on the right; the focus is a source token (a key), as the page's focus bar, strip and URL
+name it. Its map, grid and strip are the library's figures (``appkit.seq2seq.rectangular_view``).
 The Export menu under each view builds the library's plotly figure of the same view
 (``attnlab.figures.build``) when a file is asked for.
 """
@@ -117,6 +121,10 @@ def view_data(
     (the head, or the mean over the layer's heads: its column sums are the mean column mass, its
     rows the mean rows sent); ``model`` (L, H, N, N) uint8 of weight / model_max * 255.
 
+    Cross-attention (``view.query_tokens``; heatmap, head_view, model_view): ``map`` (M, N),
+    ``heads_map`` (H, M, N), the model view's index i * N + j over (M, N); ``m`` = M and
+    ``query_tokens`` the M target tokens, ``tokens`` / ``n`` the N source tokens (the keys).
+
     ``span`` (head_view, token_mass of a long context): the tokens [lo, hi) alone, N = hi - lo; the
     strip's column masses are still the whole text's; positions in the data are relative to lo, the
     views form a group of their own (their clicks carry lo: :func:`token_view`).
@@ -130,11 +138,14 @@ def view_data(
         w, mass = _span_weights(view, variant, layer, span)  # (L, H, n, n)
         mass = mass[:, span[0]:span[1]]  # (H, n)
     else:
-        w = np.asarray(view.weights[variant])  # (L, H, N, N)
-    L, H, N, _ = w.shape
+        w = np.asarray(view.weights[variant])  # (L, H, M, N); M == N but for cross-attention
+    L, H, M, N = w.shape
     tokens = list(view.tokens) if span is None else list(view.tokens[span[0]:span[1]])
     group = view.key if span is None else f"{view.key}@{span[0]}-{span[1]}"
     d = {"kind": kind, "group": group, "variant": variant, "tokens": tokens, "n": N}
+    queries = getattr(view, "query_tokens", None)  # cross-attention: target rows x source columns
+    if queries is not None and span is None:
+        d.update(m=M, query_tokens=list(queries))
     if kind in ("grid", "model_view"):  # the head the page shows, framed; a click on another drills down
         d.update(layer_shown=layer, head_shown=head)
     if kind == "heatmap":
@@ -146,7 +157,7 @@ def view_data(
         named = f"head {head}" if len(heads) == 1 else "heads " + ", ".join(map(str, heads))
         d.update(
             map=_b64(w[layer, head], "<f4"),
-            heads_map=_b64(w[layer], "<f4"),  # (H, N, N)
+            heads_map=_b64(w[layer], "<f4"),  # (H, M, N)
             heads=H,
             heads_shown=heads,
             head_shown=head,
@@ -183,10 +194,11 @@ def view_data(
             title=title if f == 1 else f"{title} (means over {f}x{f} token blocks)",
         )
     else:  # the model view draws the pairs >= its min weight only: those, sparse, per head
-        if N > MODEL_VIEW_MAX_TOKENS:
-            raise ValueError(f"the model view draws up to {MODEL_VIEW_MAX_TOKENS} tokens, the window has {N}")
+        if max(M, N) > MODEL_VIEW_MAX_TOKENS:
+            raise ValueError(f"the model view draws up to {MODEL_VIEW_MAX_TOKENS} tokens, the window has "
+                             f"{max(M, N)}")
         top = float(np.nanmax(w)) if w.size and np.isfinite(w).any() else 1.0
-        flat = w.reshape(L * H, N * N)
+        flat = w.reshape(L * H, M * N)
         heads, where = np.nonzero(flat >= MODEL_VIEW_MIN_WEIGHT)  # row-major: grouped by head
         values = np.rint(np.clip(flat[heads, where] / (top or 1.0), 0.0, 1.0) * 255.0)
         offsets = np.searchsorted(heads, np.arange(L * H + 1))  # head h: entries [off[h], off[h + 1])
@@ -208,15 +220,16 @@ def decoded(data: dict) -> dict:
     views so)."""
     out = dict(data)
     N = data["n"]
+    M = data.get("m", N)  # cross-attention's queries
     shapes = {
-        "map": ("<f4", (N, N)),
+        "map": ("<f4", (M, N)),
         "strip": ("<f4", (N, N)),
         "strip_q": ("<u2", (N, N)),
         "strip_mass": ("<f4", (N,)),
         "model_idx": ("<u2", (-1,)),
         "model_val": ("u1", (-1,)),
         "model_off": ("<u4", (-1,)),
-        "heads_map": ("<f4", (data.get("heads"), N, N)),
+        "heads_map": ("<f4", (data.get("heads"), M, N)),
         "grid": ("<f4", (data.get("layers"), data.get("heads"), data.get("side_m"), data.get("side_n"))),
     }
     for name, (dtype, shape) in shapes.items():
@@ -273,8 +286,8 @@ def token_view(
     """One token view (key ``{prefix}_{kind}``) and its Export menu (the plotly figure, built when
     a file is asked for, with the focus of that moment). ``span`` (head_view, token_mass): the
     tokens [lo, hi) of a long context alone; a click there reruns the page (the span follows the focus)."""
-    if view.query_tokens is not None:  # cross-attention: target rows x source columns (appkit/seq2seq.py)
-        from appkit.seq2seq import rectangular_view
+    if view.query_tokens is not None and kind not in ("head_view", "model_view"):  # cross-attention's
+        from appkit.seq2seq import rectangular_view  # map, grid, strip: the library's figures
 
         return rectangular_view(prefix, kind, view, variant, layer, head)
     heads = shown_heads(head, view.shape[1]) if kind == "head_view" else None

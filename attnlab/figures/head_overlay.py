@@ -53,28 +53,34 @@ def head_overlay(
     min_weight: float = 0.02,
     buckets: int = 4,
     focus: int | None = None,
+    query_tokens: Sequence[str] | None = None,
 ) -> go.Figure:
     """The head view of several heads of one layer, overlaid.
 
-    weights: (h, N, N), the maps of ``heads`` (h head indices, in that order; they name the legend
+    weights: (h, M, N), the maps of ``heads`` (h head indices, in that order; they name the legend
     entries and pick the colours, :func:`head_color`). Each head's lines are bucketed by weight
     into ``buckets`` opacity levels (one trace each, legend group ``head <index>``, so a click on
     its legend entry hides or shows the whole head); lines below ``min_weight`` are not drawn. With
     ``focus`` the lines that token sends and receives keep their head's colour at full strength,
     every other line is faded. The last two traces are the query and key markers (``customdata`` =
-    position), as in :func:`head_view`. One head: exactly :func:`head_view`.
+    position), as in :func:`head_view`. One head: exactly :func:`head_view`. ``query_tokens``: the M
+    queries of cross-attention (``tokens`` the N keys; the focus is a key); None: self-attention.
     """
     w = as_array(weights, "weights", 3)
     h, M, N = w.shape
     heads = check_heads(heads, 1 << 30)
     if len(heads) != h:
         raise ValueError(f"weights hold {h} heads' maps, while heads names {len(heads)}: {heads}")
-    if M != N:
-        raise ValueError(f"the head overlay needs self-attention (M == N), got maps of {M} x {N}")
+    cross = query_tokens is not None
+    if not cross and M != N:
+        raise ValueError(f"the head overlay needs self-attention (M == N) or query_tokens, got maps of "
+                         f"{M} x {N}")
     tokens = check_tokens(tokens, N)
+    queries = check_tokens(query_tokens, M, "query_tokens") if cross else tokens
     focus = check_focus(focus, N)
     if h == 1:
-        return head_view(w[0], tokens, title=title, min_weight=min_weight, focus=focus)
+        return head_view(w[0], tokens, title=title, min_weight=min_weight, focus=focus,
+                         query_tokens=query_tokens)
     top = float(np.nanmax(w)) if w.size and np.isfinite(w).any() else 1.0
     fig = go.Figure()
     for k, head in enumerate(heads):
@@ -90,6 +96,7 @@ def head_overlay(
                 color=color,
                 focus_color=color,
                 group=group,
+                query_focus=not cross,
             )
         )
         fig.add_trace(  # the legend entry of the head (a click toggles its whole group)
@@ -103,11 +110,11 @@ def head_overlay(
                 hoverinfo="skip",
             )
         )
-    best = np.nan_to_num(w).argmax(-1)  # (h, N): each head's strongest key per query
+    best = np.nan_to_num(w).argmax(-1)  # (h, M): each head's strongest key per query
 
     def hover(i: int, side: str) -> str:
         if side == "query":
-            return f"{i}: {tokens[i]} → " + ", ".join(
+            return f"{i}: {queries[i]} → " + ", ".join(
                 f"head {head}: {best[k, i]} {tokens[best[k, i]]} {w[k, i, best[k, i]]:.2f}"
                 for k, head in enumerate(heads)
             )
@@ -115,12 +122,12 @@ def head_overlay(
             f"head {head} {np.nansum(w[k, :, i]):.3f}" for k, head in enumerate(heads)
         )
 
-    q_hover, k_hover = ([hover(i, side) for i in range(N)] for side in ("query", "key"))
-    token_traces(fig, tokens, tokens, q_hover, k_hover, focus)
+    q_hover, k_hover = ([hover(i, side) for i in range(n)] for side, n in (("query", M), ("key", N)))
+    token_traces(fig, queries, tokens, q_hover, k_hover, focus, query_focus=not cross)
     fig.update_layout(
         title=title if focus is None else f"{title} (focus: {focus}: {tokens[focus]})",
         width=560,
-        height=max(300, 20 * N + 150),
+        height=max(300, 20 * max(M, N) + 150),
         margin={"t": 90},
         legend={"orientation": "h", "x": 0.0, "y": 1.0, "yanchor": "bottom", "title": {"text": "heads:"}},
     )

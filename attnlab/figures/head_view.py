@@ -4,6 +4,10 @@ per pair, opacity = weight) and the model view (every layer x head as a small he
 Both take plain weights plus tokens and an optional ``focus`` token (click to focus): the lines it
 sends (as a query) and receives (as a key) are drawn in the focus colour, every other line faded.
 Token markers carry their position in ``customdata`` (what a click selects).
+
+Cross-attention (an encoder-decoder's target queries x source keys) is rectangular: ``query_tokens``
+name the M queries (left), ``tokens`` the N keys (right), and the focus is a **key** (a source
+token): the lines it receives from every query are drawn in the focus colour.
 """
 
 from __future__ import annotations
@@ -41,12 +45,14 @@ def _line_traces(
     color: str = LINE_COLOR,
     focus_color: str = FOCUS_COLOR,
     group: str | None = None,
+    query_focus: bool = True,
 ) -> list[go.Scatter]:
     """Lines grouped into ``buckets`` opacity levels (one trace each) + the focused token's lines.
 
     pairs: list of (qi, kj, weight, x0, x1, y0) arrays / offsets, one entry per head drawn.
     ``color`` / ``focus_color``: the lines' colours; ``group``: a legend group the traces join (the
-    head overlay toggles a head's lines through its legend entry).
+    head overlay toggles a head's lines through its legend entry); ``query_focus`` False (cross-attention):
+    the focus is a key only, so only the lines it receives are focused.
     """
     edges = np.linspace(min_weight, max(top, min_weight * 1.0001), buckets + 1)
     traces = []
@@ -57,7 +63,7 @@ def _line_traces(
             for qi, kj, w, x0, x1, y0 in pairs:
                 sel = (w >= lo) & ((w < hi) if b < buckets - 1 else (w <= hi))
                 if focus is not None:
-                    touches = (qi == focus) | (kj == focus)
+                    touches = ((qi == focus) if query_focus else False) | (kj == focus)
                     sel &= touches if focused else ~touches
                 if sel.any():
                     x, y = _segments(qi[sel], kj[sel], x0, x1, y0)
@@ -106,11 +112,14 @@ def head_view(
     min_weight: float = 0.02,
     buckets: int = 6,
     focus: int | None = None,
+    query_tokens: Sequence[str] | None = None,
 ) -> go.Figure:
     """bertviz-style head view: queries on the left, keys on the right, a line per (query, key)
     with opacity growing with the weight; weights below ``min_weight`` are not drawn.
 
-    weights: (M, N) of one head. Lines are grouped into ``buckets`` opacity levels (one trace each,
+    weights: (M, N) of one head; ``tokens`` the N keys, ``query_tokens`` the M queries (given:
+    cross-attention, the focus is a key; None: self-attention, ``tokens`` on both sides). Lines are
+    grouped into ``buckets`` opacity levels (one trace each,
     segments separated by None), so even 4,096 pairs stay a handful of traces. Hovering a query
     names its three strongest keys; hovering a key its column mass and three strongest queries.
     The last two traces are the query and key markers (``customdata`` = position).
@@ -118,29 +127,35 @@ def head_view(
     w = as_array(weights, "weights", 2)
     M, N = w.shape
     keys = check_tokens(tokens, N)
-    queries = keys if M == N else [str(i) for i in range(M)]
-    focus = check_focus(focus, max(M, N))
+    cross = query_tokens is not None
+    queries = check_tokens(query_tokens, M, "query_tokens") if cross else keys if M == N else [
+        str(i) for i in range(M)]
+    focus = check_focus(focus, N if cross else max(M, N))
     top = float(w.max()) if w.size else 1.0
     qi, kj, vals = _top_pairs(w, min_weight, None)
-    fig = go.Figure(_line_traces([(qi, kj, vals, 0.0, 1.0, 0.0)], top, min_weight, buckets, focus))
+    fig = go.Figure(_line_traces([(qi, kj, vals, 0.0, 1.0, 0.0)], top, min_weight, buckets, focus,
+                                 query_focus=not cross))
     mass = w.sum(0)  # (N,) column mass of each key
     q_hover = [f"{i}: {queries[i]} → {_top_text(w[i], keys)}" for i in range(M)]
     k_hover = [f"{j}: {keys[j]}, column mass {mass[j]:.3f} ← {_top_text(w[:, j], queries)}" for j in range(N)]
 
-    token_traces(fig, queries, keys, q_hover, k_hover, focus)
+    token_traces(fig, queries, keys, q_hover, k_hover, focus, query_focus=not cross)
     fig.update_layout(title=title, width=520, height=max(300, 20 * max(M, N) + 120))
     return fig
 
 
-def token_traces(fig: go.Figure, queries, keys, q_hover, k_hover, focus: int | None) -> None:
+def token_traces(fig: go.Figure, queries, keys, q_hover, k_hover, focus: int | None,
+                 query_focus: bool = True) -> None:
     """The query (x = 0) and key (x = 1) token markers of a head view, with their hover texts, as
-    its last two traces (``customdata`` = position; the focused token's label in orange), and the
-    view's axes and white, hover-closest layout (head_view, head_overlay)."""
+    its last two traces (``customdata`` = position; the focused token's label in orange, on the key
+    side alone when ``query_focus`` is False: cross-attention), and the view's axes and white,
+    hover-closest layout (head_view, head_overlay)."""
     for side, x, labels, hover, pos in (
         ("query", 0.0, queries, q_hover, "middle left"),
         ("key", 1.0, keys, k_hover, "middle right"),
     ):
         n = len(labels)
+        focus_here = focus if side == "key" or query_focus else None
         fig.add_trace(
             go.Scatter(
                 x=np.full(n, x),
@@ -148,7 +163,7 @@ def token_traces(fig: go.Figure, queries, keys, q_hover, k_hover, focus: int | N
                 mode="markers+text",
                 text=labels,
                 textposition=pos,
-                textfont={"size": 12, "color": ["#d45500" if i == focus else "#222" for i in range(n)]},
+                textfont={"size": 12, "color": ["#d45500" if i == focus_here else "#222" for i in range(n)]},
                 marker={"size": 9, "color": "rgba(31, 119, 180, 0.35)", "symbol": "square"},
                 customdata=np.arange(n),
                 hovertext=hover,
@@ -172,40 +187,50 @@ def model_view(
     buckets: int = 4,
     focus: int | None = None,
     max_tokens: int = MODEL_VIEW_MAX_TOKENS,
+    query_tokens: Sequence[str] | None = None,
 ) -> go.Figure:
     """bertviz's model view: every layer (rows) x head (columns) as a small head view, in one plot.
 
-    weights: (L, H, N, N). Head (l, h) draws queries at x = 3h, keys at x = 3h + 1 and its tokens
-    at y = l (N + 3) + position; per head at most 2N of the strongest lines >= ``min_weight``.
-    With ``focus`` only the lines that token sends and receives are drawn strongly, in every head.
-    The last trace holds one marker per (layer, head, query) (``customdata`` = [position, layer,
-    head]). Texts over ``max_tokens`` tokens raise ValueError (use the layer x head grid).
+    weights: (L, H, M, N); ``tokens`` the N keys, ``query_tokens`` the M queries (given:
+    cross-attention, the focus is a key; None: self-attention, M == N). Head (l, h) draws queries at
+    x = 3h, keys at x = 3h + 1 and its tokens at y = l (max(M, N) + 3) + position; per head at most
+    2 max(M, N) of the strongest lines >= ``min_weight``. With ``focus`` only the lines that token
+    sends and receives (cross-attention: receives) are drawn strongly, in every head. The last trace
+    holds one marker per (layer, head, focusable token) — the queries, or the keys for
+    cross-attention — (``customdata`` = [position, layer, head]). Texts over ``max_tokens`` tokens
+    raise ValueError (use the layer x head grid).
     """
     w = as_array(weights, "weights", 4)
     L, H, M, N = w.shape
     tokens = check_tokens(tokens, N)
-    if M != N:
-        raise ValueError(f"model_view needs self-attention (M == N), got maps of {M} x {N}")
-    if N > max_tokens:
+    cross = query_tokens is not None
+    if cross:
+        check_tokens(query_tokens, M, "query_tokens")
+    elif M != N:
+        raise ValueError(f"model_view needs self-attention (M == N) or query_tokens, got maps of {M} x {N}")
+    side = max(M, N)
+    if side > max_tokens:
         raise ValueError(
-            f"the model view draws up to {max_tokens} tokens, this window has {N}: use the layer x head grid"
+            f"the model view draws up to {max_tokens} tokens, this window has {side}: use the layer x head "
+            "grid"
         )
     focus = check_focus(focus, N)
-    gap = N + 3  # rows of one layer's band, blank rows included
+    gap = side + 3  # rows of one layer's band, blank rows included
     pairs = []
     for layer in range(L):
         for head in range(H):
-            qi, kj, vals = _top_pairs(w[layer, head], min_weight, 2 * N)
+            qi, kj, vals = _top_pairs(w[layer, head], min_weight, 2 * side)
             pairs.append((qi, kj, vals, 3.0 * head, 3.0 * head + 1, float(layer * gap)))
     top = float(w.max()) if w.size else 1.0
-    fig = go.Figure(_line_traces(pairs, top, min_weight, buckets, focus))
-    pos = np.tile(np.arange(N), L * H)
-    layer_of = np.repeat(np.arange(L), H * N)
-    head_of = np.tile(np.repeat(np.arange(H), N), L)
+    fig = go.Figure(_line_traces(pairs, top, min_weight, buckets, focus, query_focus=not cross))
+    n = N if cross else M  # the markers: the focusable side's tokens (cross: the keys)
+    pos = np.tile(np.arange(n), L * H)
+    layer_of = np.repeat(np.arange(L), H * n)
+    head_of = np.tile(np.repeat(np.arange(H), n), L)
     is_focus = pos == focus
     fig.add_trace(
         go.Scatter(
-            x=3.0 * head_of,
+            x=3.0 * head_of + (1.0 if cross else 0.0),
             y=layer_of * gap + pos,
             mode="markers",
             marker={  # colour by number (0 / 1 on a two-colour scale): plotly checks every colour
@@ -219,7 +244,7 @@ def model_view(
             customdata=np.column_stack([pos, layer_of, head_of]),
             hovertext=[f"{p}: {tokens[p]}" for p in pos],
             hovertemplate="layer %{customdata[1]}, head %{customdata[2]}<br>"
-            "query %{hovertext}<extra></extra>",
+            + ("key" if cross else "query") + " %{hovertext}<extra></extra>",
             showlegend=False,
             selected=NO_DIM,
             unselected=NO_DIM,
@@ -229,10 +254,10 @@ def model_view(
         {"x": 3.0 * h + 0.5, "y": 1.0, "yref": "paper", "yanchor": "bottom", "text": f"head {h}"}
         for h in range(H)
     ] + [
-        {"x": 0.0, "xref": "paper", "xanchor": "right", "y": la * gap + N / 2, "text": f"layer {la}"}
+        {"x": 0.0, "xref": "paper", "xanchor": "right", "y": la * gap + side / 2, "text": f"layer {la}"}
         for la in range(L)
     ]
-    row_px = max(3.0, min(8.0, 260.0 / N))
+    row_px = max(3.0, min(8.0, 260.0 / side))
     fig.update_xaxes(visible=False, range=[-0.5, 3.0 * H - 1.5], fixedrange=True)
     fig.update_yaxes(visible=False, autorange="reversed", fixedrange=True)
     fig.update_layout(

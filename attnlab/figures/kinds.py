@@ -26,6 +26,10 @@ variant per source)::
     column_mass     (a list of sources) distributions overlaid, one curve per source
 
 Every kind that shows tokens takes ``params["focus"]`` (a token position or None: click to focus).
+Cross-attention (an encoder-decoder's (L, H, M, N) target x source maps): ``build(...,
+query_tokens=...)`` names the M queries (``tokens`` are then the N keys) for heatmap, head_view,
+model_view and grid; the focus is a key (a source token), drawn by the head and model views (the
+maps outline a row and a column, which is self-attention's).
 """
 
 from __future__ import annotations
@@ -147,35 +151,42 @@ def _multi(kind: str, weights, tokens, p: dict, labels) -> FigureBundle:
     return FigureBundle(fig, table, {f"difference_{k + 1}": d for k, d in enumerate(diffs)})
 
 
-def _one_head(kind: str, v: str, w: np.ndarray, tokens, p: dict) -> FigureBundle:
-    """heatmap, head_view, token_mass of one variant's (L, H, N, N) weights."""
+def _one_head(kind: str, v: str, w: np.ndarray, tokens, p: dict, query_tokens=None) -> FigureBundle:
+    """heatmap, head_view, token_mass of one variant's (L, H, M, N) weights (``query_tokens``: the M
+    queries of cross-attention; token_mass takes self-attention only)."""
     layer, head, focus = p["layer"], p.get("head"), p.get("focus")
+    arrays = {"tokens": np.array(tokens)}
+    if query_tokens is not None:
+        arrays["query_tokens"] = np.array(query_tokens)
     if kind == "heatmap":
         fig = attention_heatmap(
             w[layer, head],
             tokens,
+            query_tokens=query_tokens,
             title=f"{v}: layer {layer}, head {head}",
-            focus=focus,
+            focus=focus if query_tokens is None else None,  # a row and a column: self-attention
             zmax=p.get("zmax"),
             click_targets=p.get("clickable", False) and w.shape[-1] <= CLICKABLE_MAX_TOKENS,
         )
         return FigureBundle(
-            fig, long_table(w[layer, head], []), {v: w[layer, head], "tokens": np.array(tokens)}
+            fig, long_table(w[layer, head], []), {v: w[layer, head], **arrays}
         )
     if kind == "head_view":  # params["heads"]: the heads overlaid (None: the one head)
         heads = check_heads(p.get("heads") or [head], w.shape[1])
         if head not in heads:
             raise ValueError(f"head_view: heads {heads} must include the head shown, {head}")
-        maps = w[layer, heads]  # (h, N, N)
+        maps = w[layer, heads]  # (h, M, N)
         named = f"head {head}" if len(heads) == 1 else "heads " + ", ".join(map(str, heads))
         fig = head_overlay(
             maps, tokens, heads, title=f"{v}: head view, layer {layer}, {named}",
-            min_weight=p.get("min_weight", 0.02), focus=focus,
+            min_weight=p.get("min_weight", 0.02), focus=focus, query_tokens=query_tokens,
         )
         if len(heads) == 1:
-            return FigureBundle(fig, long_table(maps[0], []), {v: maps[0], "tokens": np.array(tokens)})
+            return FigureBundle(fig, long_table(maps[0], []), {v: maps[0], **arrays})
         table = long_table(maps, ["head"]).assign(head=lambda t: np.asarray(heads)[t["head"]])
-        return FigureBundle(fig, table, {v: maps, "heads": np.array(heads), "tokens": np.array(tokens)})
+        return FigureBundle(fig, table, {v: maps, "heads": np.array(heads), **arrays})
+    if query_tokens is not None:
+        raise ValueError(f"{kind} draws self-attention: query_tokens (cross-attention) are not taken")
     sel = w[layer] if head is None else w[layer, head][None]  # (h, N, N)
     where = f"layer {layer}, " + ("mean over heads" if head is None else f"head {head}")
     if focus is None:
@@ -210,6 +221,7 @@ def build(
     *,
     u: float | None = None,
     labels: Sequence[str] | None = None,
+    query_tokens: Sequence[str] | None = None,
 ) -> FigureBundle:
     """Build a figure of ``kind`` (see ``KINDS``) and its data.
 
@@ -225,6 +237,8 @@ def build(
             ``variants`` = one variant per source and ``shared_scale`` for the multi-source kinds.
         u: HNAS weight for the u/N line of column_mass (float only).
         labels: display names of the sources (multi-source kinds).
+        query_tokens: cross-attention's M query tokens (heatmap, head_view, model_view, grid; weights
+            (L, H, M, N), ``tokens`` the N keys, the focus a key); None: self-attention.
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
@@ -244,24 +258,28 @@ def build(
     if kind in ("grid", "model_view"):
         v = p["variant"]
         w = as_array(weights[v], f"weights[{v!r}]", 4)
+        arrays = {v: w, "tokens": np.array(tokens)}
+        if query_tokens is not None:
+            arrays["query_tokens"] = np.array(query_tokens)
         if kind == "model_view":
-            fig = model_view(w, tokens, title=f"{v}: model view (every layer and head)", focus=p.get("focus"))
-            return FigureBundle(fig, long_table(w, ["layer", "head"]), {v: w, "tokens": np.array(tokens)})
+            fig = model_view(w, tokens, title=f"{v}: model view (every layer and head)", focus=p.get("focus"),
+                             query_tokens=query_tokens)
+            return FigureBundle(fig, long_table(w, ["layer", "head"]), arrays)
         fig = attention_grid(
             w,
             tokens,
             title=f"{v}: attention by layer and head",
             max_tokens=p.get("max_tokens", 64),
             cell_px=72,
-            focus=p.get("focus"),
+            focus=p.get("focus") if query_tokens is None else None,  # a row and a column: self-attention
         )
         pooled, _ = block_mean(w, p.get("max_tokens", 64))
-        return FigureBundle(fig, long_table(pooled, ["layer", "head"]), {v: w, "tokens": np.array(tokens)})
+        return FigureBundle(fig, long_table(pooled, ["layer", "head"]), arrays)
     if kind in ("heatmap_blocks", "heatmap_zoom"):  # one head of a long context: that head alone read
         return (blocks_bundle if kind == "heatmap_blocks" else zoom_bundle)(weights[p["variant"]], tokens, p)
     if kind in ("heatmap", "head_view", "token_mass"):
         v = p["variant"]
-        return _one_head(kind, v, as_array(weights[v], f"weights[{v!r}]", 4), tokens, p)
+        return _one_head(kind, v, as_array(weights[v], f"weights[{v!r}]", 4), tokens, p, query_tokens)
     if kind == "column_mass":
         variants = list(p.get("variants") or list(weights))
         layer, group = p.get("layer"), p.get("group", "variant")
