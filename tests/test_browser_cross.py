@@ -30,16 +30,10 @@ def bart_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("cross")
     folder = build_tiny_model("bart", root / "bart", scale=0.3)
     tokens = hf.analyze(SOURCE, hf.load_model(str(folder)), ("unas",), target=TARGET).tokens("cross")
-    before = os.environ.get("ATTNLAB_MODEL_ROOTS")
-    os.environ["ATTNLAB_MODEL_ROOTS"] = str(root)
-    try:
+    with pytest.MonkeyPatch.context() as env:  # the server's model roots, restored after
+        env.setenv("ATTNLAB_MODEL_ROOTS", str(root))
         with tb.serve(root / "server") as (url, _, _):
             yield url, folder, tokens
-    finally:
-        if before is None:
-            os.environ.pop("ATTNLAB_MODEL_ROOTS", None)
-        else:
-            os.environ["ATTNLAB_MODEL_ROOTS"] = before
 
 
 def test_cross_head_view_focuses_a_source_token(bart_server):
