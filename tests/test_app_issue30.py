@@ -435,3 +435,55 @@ def test_grid_export_outlines_the_focus_in_every_map():
     rows = sorted({(s.y0, s.y1) for s in shapes if s.x1 - s.x0 > 1})  # the row outlines, per layer
     assert rows == [(1.5, 2.5), (8.5, 9.5)]  # layer 1's map starts at row N + 1 = 7
     assert attention_grid(w, tokens).layout.shapes == ()
+
+
+# ----------------------------------------------------------------------------------------------
+# The screenshot walk (scripts/screenshots.py): what the screenshots showed
+# ----------------------------------------------------------------------------------------------
+
+
+def test_compare_overlay_names_each_panel_once():
+    """Seen: the overlaid ECDF's legend read "MiniLM-L6 (embedded) · unas · unas": the page passed
+    the panel names (model · variant) as the sources' labels, and the figure adds the variant."""
+    at = run_page("compare")
+    names = [t["name"] for t in json.loads(next(c for c in at.get("plotly_chart")
+                                                 if c.key == "compare_overlay").proto.spec)["data"]]
+    panels = at.multiselect(key="compare_panels").value
+    assert names[: len(panels)] == list(panels)  # "MiniLM-L6 (embedded) · unas", ... (the legend)
+    assert not any(n.endswith(f" · {v} · {v}") for n in names for v in ("unas", "dnas", "hnas"))
+
+
+def test_one_difference_map_is_titled_once():
+    """Seen on Interventions: "after (dnas) minus before (softmax): layer 0, head 0" twice, as the
+    figure's title and its single panel's, the second line over the first and the map's top."""
+    from attnlab.figures import app_views
+    from attnlab.figures.views import difference_heatmap, panel_heatmaps
+
+    rng = np.random.default_rng(0)
+    w = rng.dirichlet(np.ones(5), size=(1, 2, 5)).astype(np.float32)  # (L, H, N, N)
+    tokens = list("abcde")
+    fig = difference_heatmap(w[0, 0], w[0, 1], tokens, title="A minus B")
+    assert fig.layout.title.text == "A minus B" and not fig.layout.annotations
+    assert "A minus B" in fig.data[0].hovertemplate  # the hover still names the map
+    b = app_views.build("difference", [{"dnas": w}, {"unas": w}], tokens,
+                        {"layer": 0, "head": 0, "variants": ["dnas", "unas"]}, labels=["after", "before"])
+    texts = [b.figure.layout.title.text] + [a.text for a in b.figure.layout.annotations]
+    assert sum("after minus before" in t for t in texts) == 1
+    two = panel_heatmaps([w[0, 0], w[0, 1]], tokens, ["A", "B"], title="A and B")  # panels keep their names
+    assert [a.text for a in two.layout.annotations] == ["A", "B"]
+
+
+def test_long_map_title_clears_the_key_axis_on_top():
+    """Seen on a 1,702-token causal text: the block map's title "unas: layer 1, head 0 (each cell =
+    4 × 4 tokens (mean))" drawn over the key axis' title, both in the middle of the top margin (the
+    key axis is on top). The title now hangs from the figure's top, and the margin below it holds
+    the axis' title and tick labels (plotly's fonts: title 17 px, axis title 14 px, ticks 12 px)."""
+    from attnlab.figures.long_maps import overview_heatmap
+
+    fig = overview_heatmap(np.random.default_rng(0).random((10, 10)), 4, 40, title="unas: layer 1, head 0")
+    lay = fig.layout
+    assert lay.xaxis.side == "top" and lay.xaxis.title.text
+    assert (lay.title.yref, lay.title.y, lay.title.yanchor) == ("container", 1, "top")
+    title_bottom = lay.title.pad.t + 1.3 * 17
+    axis_room = 1.3 * 14 + 1.3 * 12 + 2 * 6  # its title, its tick labels, their gaps
+    assert lay.margin.t - title_bottom >= axis_room

@@ -140,6 +140,6 @@ show(
     "column_mass",
     [panels[n][0] for n in chosen],
     {"variants": [panels[n][1] for n in chosen], "layer": None},
-    labels=chosen,
+    labels=[panels[n][0].settings.source.label for n in chosen],  # the figure adds " · variant"
     text=text,
 )

@@ -82,6 +82,9 @@ def describe_block(block: int, how: str) -> str:
     return "each cell = 1 token pair" if block == 1 else f"each cell = {block} × {block} tokens ({how})"
 
 
+TITLE_PAD_PX, TOP_MARGIN_PX = 12, 110  # overview_heatmap: the title's room, then the top axis'
+
+
 def overview_heatmap(pooled, block: int, n: int, *, how: str = "mean", title: str = "Attention weights",
                      region: tuple[tuple[int, int], tuple[int, int]] | None = None,
                      focus: int | None = None) -> go.Figure:
@@ -108,7 +111,13 @@ def overview_heatmap(pooled, block: int, n: int, *, how: str = "mean", title: st
         line = {"color": "#ff7f0e", "width": 1}
         shapes += [{"type": "line", "x0": -0.5, "x1": n - 0.5, "y0": focus, "y1": focus, "line": line},
                    {"type": "line", "x0": focus, "x1": focus, "y0": -0.5, "y1": n - 0.5, "line": line}]
-    fig.update_layout(title=f"{title} ({describe_block(block, how)})", width=760, height=700, shapes=shapes)
+    # the key axis is on top: the title sits at the top of the figure, above that axis' title and
+    # ticks (by default both were drawn in the middle of the top margin, one over the other)
+    fig.update_layout(
+        title={"text": f"{title} ({describe_block(block, how)})", "yref": "container", "y": 1,
+               "yanchor": "top", "pad": {"t": TITLE_PAD_PX}},
+        margin={"t": TOP_MARGIN_PX}, width=760, height=700, shapes=shapes,
+    )
     return fig
 
 

@@ -165,7 +165,9 @@ def panel_heatmaps(
     focus = check_focus(focus, max(M, N))
     xs, ys = position_labels(keys), position_labels(keys if M == N else [str(i) for i in range(M)])
     n = len(arrays)
-    fig = make_subplots(rows=1, cols=n, subplot_titles=list(titles), horizontal_spacing=0.1 / n + 0.03)
+    # a panel named as the figure (one difference map) is not named twice: the two lines overlapped
+    subplot_titles = ["" if t == title else t for t in titles]
+    fig = make_subplots(rows=1, cols=n, subplot_titles=subplot_titles, horizontal_spacing=0.1 / n + 0.03)
 
     def span(a):
         return float(np.abs(a).max()) if diverging else float(a.max())
