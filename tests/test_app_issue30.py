@@ -487,3 +487,36 @@ def test_long_map_title_clears_the_key_axis_on_top():
     title_bottom = lay.title.pad.t + 1.3 * 17
     axis_room = 1.3 * 14 + 1.3 * 12 + 2 * 6  # its title, its tick labels, their gaps
     assert lay.margin.t - title_bottom >= axis_room
+
+
+STREAMLIT_PLACEHOLDER = r"#0000(0[1-9]|[1-3][0-9]|40)\b"  # theme colours Streamlit's browser swaps in
+
+
+def test_no_figure_colour_is_a_streamlit_theme_placeholder():
+    """Seen: the lowest cells of the Interventions map and the Jensen-Shannon maps lilac, lighter than
+    the black just above them: Magma starts at #000004, one of the colours #000001-#000040 that
+    Streamlit's browser code replaces with its theme's anywhere in a plotly figure (even theme=None)."""
+    import re
+
+    from attnlab.figures import app_views
+    from attnlab.figures import beyond as beyond_figs
+    from attnlab.figures.views import js_distance_heatmap
+
+    rng = np.random.default_rng(0)
+    w = {v: rng.dirichlet(np.ones(6), size=(2, 3, 6)).astype(np.float32) for v in ("unas", "dnas")}
+    tokens = list("abcdef")
+    figures = [
+        beyond_figs.intervention_heatmap({"hidden_cosine": rng.random((2, 3))}, "dnas").figure,
+        js_distance_heatmap(rng.random((2, 3))),
+        app_views.build("panels", [w, w], tokens, {"layer": 0, "head": 0, "variants": ["unas", "dnas"]},
+                        labels=["A", "B"]).figure,
+        app_views.build("differences", [w, w, w], tokens, {"layer": 0, "head": 0,
+                        "variants": ["unas", "dnas", "unas"]}, labels=["A", "B", "C"]).figure,
+        app_views.build("column_mass", w, tokens, {"variants": ["unas", "dnas"], "layer": None},
+                        u=0.5).figure,
+    ]
+    for fig in figures:
+        spec = json.loads(fig.to_json())
+        spec["layout"].pop("template", None)  # Streamlit's own template: its placeholders are meant
+        found = re.search(STREAMLIT_PLACEHOLDER, json.dumps(spec), re.IGNORECASE)
+        assert found is None, (fig.layout.title.text, found.group(0))

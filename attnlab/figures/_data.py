@@ -26,6 +26,20 @@ VARIANT_COLORS = {
 OTHER_COLORS = ("#e377c2", "#17becf", "#bcbd22", "#7f7f7f")  # plugin variants, other labels
 
 
+def _magma() -> list[list]:
+    """Plotly's Magma with its first stop black (#000000, not #000004): Streamlit's browser code
+    replaces the colours #000001 to #000040 anywhere in a figure with its theme's (the placeholders
+    of its plotly theme, even with theme=None), so Magma's #000004 came out lilac (#ab63fa) and the
+    lowest values of the intervention and Jensen-Shannon maps looked higher than the next ones."""
+    import plotly.colors
+
+    stops = plotly.colors.make_colorscale(plotly.colors.sequential.Magma)
+    return [[s, "#000000" if k == 0 else c] for k, (s, c) in enumerate(stops)]
+
+
+MAGMA = _magma()
+
+
 def variant_color(name: str, k: int = 0) -> str:
     """The colour of variant ``name`` (a plugin variant or another label: the k-th other colour)."""
     return VARIANT_COLORS.get(name) or OTHER_COLORS[k % len(OTHER_COLORS)]

@@ -19,7 +19,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from attnlab.figures._data import as_array, check_tokens, unique_labels
+from attnlab.figures._data import MAGMA, as_array, check_tokens, unique_labels
 from attnlab.figures.app_views import FigureBundle
 
 __all__ = [
@@ -177,7 +177,7 @@ def intervention_heatmap(
                 z,
                 list(range(H)),
                 list(range(L)),
-                colorscale="Magma" if name != "loglik_change" else "RdBu",
+                colorscale=MAGMA if name != "loglik_change" else "RdBu",
                 colorbar=dict(x=fig.layout[f"xaxis{'' if i == 1 else i}"].domain[1] + 0.01, len=0.9,
                               thickness=14),
                 hovertemplate="layer %{y}, head %{x}<br>%{z:.3g}<extra></extra>",

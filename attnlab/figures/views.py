@@ -15,7 +15,7 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from attnlab.figures._data import as_array, check_focus, check_tokens
+from attnlab.figures._data import MAGMA, as_array, check_focus, check_tokens
 from attnlab.figures.attention import (
     COLORSCALE,
     FOCUS_COLOR,
@@ -233,7 +233,7 @@ def js_distance_heatmap(values, *, title: str = "Jensen-Shannon distance per lay
             z=v,
             x=np.arange(H),
             y=np.arange(L),
-            colorscale="Magma",
+            colorscale=MAGMA,
             zmin=0.0,
             zmax=max(float(v.max()), 1e-6),
             texttemplate="%{z:.2f}" if L * H <= 144 else None,
