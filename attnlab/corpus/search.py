@@ -54,9 +54,14 @@ def mass_profile(masses: np.ndarray) -> np.ndarray:
     return _unit(z - z.mean(-1, keepdims=True))
 
 
-def _unit(x: np.ndarray) -> np.ndarray:
-    norm = np.linalg.norm(x, axis=-1, keepdims=True)
-    return (x / np.where(norm > 0, norm, 1.0)).astype(np.float32)
+def _unit(x) -> np.ndarray:
+    """(..., K) -> float32 rows of norm 1 (zero rows stay 0); torch's vectorized float16 -> float32
+    conversion and norm (numpy's take ~1 s on a 100k x 384 index)."""
+    import torch
+
+    t = torch.as_tensor(np.asarray(x)).float()
+    norm = torch.linalg.vector_norm(t, dim=-1, keepdim=True)
+    return t.div_(torch.where(norm > 0, norm, torch.ones_like(norm))).numpy()
 
 
 def _shards(run_dir: Path) -> list[Path]:
@@ -92,7 +97,7 @@ def load_index(run_dir: str | os.PathLike, by: str = "embedding") -> IndexMatrix
     values = [t.column(by).combine_chunks() for t in tables if t.num_rows]
     width = tables[0].schema.field(by).type.list_size
     flat = np.concatenate([v.values.to_numpy(zero_copy_only=False) for v in values] or [np.zeros(0)])
-    matrix = flat.astype(np.float32).reshape(-1, width)  # (T, K)
+    matrix = flat.reshape(-1, width)  # (T, K) float16
     matrix = mass_profile(matrix) if by == "mass" else _unit(matrix)
     rest = pa.concat_tables([t.drop_columns([by]) for t in tables])
     doc_index = rest.column("doc_index").to_numpy().astype(np.int32)
