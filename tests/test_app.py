@@ -263,10 +263,13 @@ def test_inspect_gam_checkpoint_shows_phi_theta_and_combined(app_env):
 def test_explaining_away_page(app_env):
     at = open_page("explaining_away")
     figs = charts(at)
-    assert set(figs) == {"away_column_mass", "away_explained_away"}
+    sink_views = {"away_sink_importance", "away_sink_rate", "away_first_token_mass",
+                  "away_massive_activations"}
+    assert set(figs) == {"away_column_mass", "away_explained_away", *sink_views}  # (appkit/sinks_view.py)
     names = [t["name"] for t in figs["away_column_mass"]["data"]]
     assert names[:4] == ["unas", "dnas", "hnas", "sinkhorn"] and any(n.startswith("1/N") for n in names)
-    assert len(at.dataframe) == 1 and len(at.dataframe[0].value) > 0
+    # the most-explained-away tokens, then the massive activations (sink views)
+    assert len(at.dataframe) == 2 and len(at.dataframe[0].value) > 0
     before = [z_of(figs["away_explained_away"], k) for k in range(4)]
     at.select_slider(key="away_eps").set_value(0.5).run()
     after = [z_of(charts(at)["away_explained_away"], k) for k in range(4)]

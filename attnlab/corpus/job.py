@@ -90,7 +90,8 @@ class CorpusRun:
 
     def pending(self) -> list[int]:
         """Shards without their rows (or, with an index, without their index shard)."""
-        indexed = self.settings.index is not None
+        # a job whose settings have no token index (swap-eval's, attnlab/swap_eval) writes rows only
+        indexed = getattr(self.settings, "index", None) is not None
         return [k for k in range(self.n_shards) if not shard_path(self.out, k).is_file()
                 or (indexed and not shard_path(self.out, k, INDEX).is_file())]
 
