@@ -43,6 +43,7 @@ __all__ = [
     "sink_statistics",
     "sink_table",
     "sink_importance",
+    "importance_from_masses",
     "sink_rate",
     "queries_per_key",
     "massive_activations",
@@ -201,9 +202,14 @@ def sink_importance(weights: torch.Tensor, causal: bool = True,
     (M, N) (True = may attend) gives the counts; else causal (queries at the end of the keys) or all M."""
     w = check_weights("weights", weights, min_dim=2)
     M, N = w.shape[-2:]
-    counts = queries_per_key(M, N, causal, mask).to(w.device, w.dtype)
-    cols = w.sum(-2)
-    return torch.where(counts > 0, cols / counts.clamp(min=1), torch.zeros_like(cols))
+    return importance_from_masses(w.sum(-2), queries_per_key(M, N, causal, mask))
+
+
+def importance_from_masses(masses: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """I_j = m_j / n_j from column masses (..., N) and the queries that may attend each key, counts
+    broadcastable to (..., N); 0 for a key no query may attend (Gu et al. 2024)."""
+    counts = counts.to(masses.device, masses.dtype)
+    return torch.where(counts > 0, masses / counts.clamp(min=1), torch.zeros_like(masses))
 
 
 def sink_rate(weights, eps: float = 0.3, causal: bool = True, position: int = 0,

@@ -73,8 +73,7 @@ def importance(view: WindowView, text: str) -> dict[str, torch.Tensor]:
     """{variant: (L, H, N)} I_j = m_j / n_j (Gu et al. 2024; ``attnlab.sinks.sink_importance``), 0 for
     a key no query may attend."""
     counts = _counts(view.key, text, view)[:, None, :]  # (L, 1, N)
-    return {v: torch.where(counts > 0, m / counts.clamp(min=1), torch.zeros_like(m))
-            for v, m in _masses(view.key, view).items()}
+    return {v: sinks.importance_from_masses(m, counts) for v, m in _masses(view.key, view).items()}
 
 
 def sink_views(prefix: str, view: WindowView, text: str) -> None:

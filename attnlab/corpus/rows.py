@@ -114,7 +114,7 @@ def analyse_shard(loaded, documents: Iterable[tuple[int, str, Iterable[str]]], s
             for result, activations in recorded(stream, loaded):  # + its forwards' massive activations
                 masses = result.column_masses()  # {variant: (L, H, N)}, once for rows and index
                 cols = _window_columns(result, masses, bins, settings["n_bins"])
-                cols = join_columns(cols, sink_columns(result, activations, settings["mode"]))
+                cols = join_columns(cols, sink_columns(result, masses, activations, settings["mode"]))
                 n = len(cols["value"])
                 n_tokens = len(result.tokens)
                 cols["doc_index"] = np.full(n, doc_index, np.int32)

@@ -59,10 +59,11 @@ def join_columns(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> dict[str
     return {k: np.concatenate([a[k], b[k]]) for k in a}
 
 
-def sink_columns(result, activations: list[dict] | None, mode: str) -> dict[str, np.ndarray]:
+def sink_columns(result, masses, activations: list[dict] | None, mode: str) -> dict[str, np.ndarray]:
     """Columns variant, layer, head, statistic, value of one window's sink rows (module docstring);
+    ``masses``: the window's column masses {variant: (L, H, N)} (taken once for every row kind);
     ``activations``: what :func:`recording` recorded during this window's analysis (emptied here)."""
-    importance = result.sink_importance()  # {variant: (L, H, N)}
+    importance = result.sink_importance(masses)  # {variant: (L, H, N)}
     variants = list(importance)
     first = np.stack([importance[v][..., 0].double().numpy() for v in variants])  # (V, L, H)
     V, L, H = first.shape

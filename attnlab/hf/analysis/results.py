@@ -140,14 +140,14 @@ class WindowResult:
         w = held[0]
         return w.window if getattr(w, "streamed_window", False) else None
 
-    def sink_importance(self) -> dict[str, torch.Tensor]:
+    def sink_importance(self, masses: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """{variant: (L, H, N)} the causal-corrected importance of every key (Gu et al. 2024,
         ``attnlab.sinks.sink_importance``): column mass / queries that may attend the key (from the
         layers' masks on a streamed window; N - j queries on another causal window, every query on a
-        bidirectional one)."""
-        from attnlab.sinks import queries_per_key
+        bidirectional one). ``masses``: this window's :meth:`column_masses`, when the caller has them."""
+        from attnlab.sinks import importance_from_masses, queries_per_key
 
-        masses = self.column_masses()
+        masses = self.column_masses() if masses is None else masses  # given: the caller's, already taken
         window = self._streamed_window()
         first = next(iter(masses.values()))
         L, H, N = first.shape
@@ -156,9 +156,7 @@ class WindowResult:
         else:  # causal: N - j queries (M queries at the end of the keys); else all M
             M = next(iter(self.weights.values())).shape[-2]
             counts = queries_per_key(M, N, self.causal).expand(L, N)
-        counts = counts[:, None, :].to(first.dtype)
-        return {v: torch.where(counts > 0, m / counts.clamp(min=1), torch.zeros_like(m))
-                for v, m in masses.items()}
+        return {v: importance_from_masses(m, counts[:, None, :]) for v, m in masses.items()}
 
     def sink_rate(self, eps: float = 0.3, position: int = 0) -> dict[str, torch.Tensor]:
         """{variant: (L,)} per layer the share of heads whose importance of key ``position`` exceeds
