@@ -6,7 +6,7 @@ from appkit import state
 from appkit.analysis import view_for
 from appkit.controls import inputs, window_view
 from appkit.pick import focus_line, layer_head
-from appkit.show import show
+from appkit.show import bundle, show
 from appkit.sources import EMBEDDED, checkpoint_sources
 
 P = "compare"
@@ -121,17 +121,15 @@ else:
         text=text,
         width="stretch",
     )
-    for name in same[1:]:  # one under another, each at its own width: side by side in columns the
-        # maps shrank until their cell values ran together and the title was cut (seen at 1280x800)
-        show(
-            P,
-            f"js_{chosen.index(name)}",
-            "js_distance",
-            [ref_view, panels[name][0]],
-            {"variants": [ref_variant, panels[name][1]]},
-            labels=["A", name],
-            text=text,
-        )
+    # one under another, each at its own width (side by side in columns the maps shrank until their
+    # cell values ran together, seen at 1280x800), on one colour range: the largest distance of all
+    pairs = {n: ([ref_view, panels[n][0]], {"variants": [ref_variant, panels[n][1]]}) for n in same[1:]}
+    top = max(float(bundle("js_distance", *pair).arrays["js_distance"].max()) for pair in pairs.values())
+    for name, (pair, params) in pairs.items():
+        show(P, f"js_{chosen.index(name)}", "js_distance", pair, {**params, "zmax": max(top, 1e-6)},
+             labels=["A", name], text=text)
+    if len(pairs) > 1:
+        st.caption(f"The Jensen-Shannon maps share one colour range, 0 to {top:.3g} (the largest distance).")
 
 st.subheader("Column-mass distributions, overlaid")
 show(
@@ -142,4 +140,5 @@ show(
     {"variants": [panels[n][1] for n in chosen], "layer": None},
     labels=[panels[n][0].settings.source.label for n in chosen],  # the figure adds " · variant"
     text=text,
+    width="stretch",
 )

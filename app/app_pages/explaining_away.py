@@ -44,6 +44,7 @@ show(
     view,
     {"variants": shown, "layer": layer, "group": group, "dist": dist},
     text=text,
+    width="stretch",
 )
 
 st.subheader("Explained-away fraction per layer and head")

@@ -57,6 +57,7 @@ def column_mass_distribution(
     *,
     kind: str = "ecdf",
     title: str = "Column mass per key (attention received)",
+    legend_title: str | None = "variant",
     bins: int = 60,
     max_points: int = 20_000,
 ) -> go.Figure:
@@ -72,6 +73,7 @@ def column_mass_distribution(
             "histogram" (fraction of keys per log-spaced bin, drawn as a step curve).
         bins: number of log-spaced bins for "histogram".
         max_points: an ECDF with more values is drawn through this many exact order statistics.
+        legend_title: what the curves are ("variant"; "panel" for Compare's sources); None: no title.
 
     Returns:
         Figure with one trace per variant (named by the variant, in dict order), then one line trace
@@ -132,7 +134,7 @@ def column_mass_distribution(
     fig.update_xaxes(type="log", title="column mass m_j = sum_i pi_ij (log scale)")
     fig.update_yaxes(title="fraction of keys with mass <= m" if kind == "ecdf" else "fraction of keys",
                      rangemode="tozero")
-    fig.update_layout(title=title, legend={"title": {"text": "variant"}}, width=820, height=480,
+    fig.update_layout(title=title, legend={"title": {"text": legend_title or ""}}, width=820, height=480,
                       margin={"t": 70 + LABEL_ROW_PX * len(bounds)})
     return fig
 

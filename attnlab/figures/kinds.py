@@ -99,7 +99,7 @@ def _multi(kind: str, weights, tokens, p: dict, labels) -> FigureBundle:
         from attnlab.stats import js_distance
 
         js = js_distance(torch.from_numpy(a), torch.from_numpy(b)).numpy()  # (L, H)
-        fig = js_distance_heatmap(js, title=f"Jensen-Shannon distance, {la} vs {lb}")
+        fig = js_distance_heatmap(js, title=f"Jensen-Shannon distance, {la} vs {lb}", zmax=p.get("zmax"))
         table = long_table(js, [], ("layer", "head")).rename(columns={"weight": "js_distance"})
         return FigureBundle(fig, table, {"js_distance": js})
     arrays, names = _sources(kind, weights, p, labels, 2 if kind == "difference" else None)
@@ -234,7 +234,8 @@ def build(
             (head_view: the heads overlaid); ``variants``, ``layer`` (None = all), ``group``
             ("variant" | "layer"), ``dist`` ("ecdf" | "histogram") for column_mass; ``eps``
             (relative) for explained_away; ``max_tokens`` for grid;
-            ``variants`` = one variant per source and ``shared_scale`` for the multi-source kinds.
+            ``variants`` = one variant per source and ``shared_scale`` for the multi-source kinds;
+            ``zmax`` (js_distance) the top of the colour scale, one for several maps compared.
         u: HNAS weight for the u/N line of column_mass (float only).
         labels: display names of the sources (multi-source kinds).
         query_tokens: cross-attention's M query tokens (heatmap, head_view, model_view, grid; weights
@@ -251,6 +252,7 @@ def build(
         if not len(labels) == len(chosen) == len(weights):
             raise ValueError("column_mass over several sources needs one label and one variant per source")
         p["hnas"] = "hnas" in chosen
+        p.setdefault("legend", "panel")  # a curve per source: the page's panels, not variants
         weights = {f"{lab} · {v}": w[v] for lab, v, w in zip(labels, chosen, weights, strict=True)}
         p["variants"] = list(weights)
     if not isinstance(weights, Mapping):
@@ -299,6 +301,7 @@ def build(
             u=u if p.get("hnas", "hnas" in variants) else None,
             kind=p.get("dist", "ecdf"),
             title=f"Column mass per key ({where}, every head)",
+            legend_title=p.get("legend", "variant" if group == "variant" else "variant · layer"),
         )
         table = pd.concat(frames, ignore_index=True).rename(columns={"weight": "column_mass"})
         return FigureBundle(

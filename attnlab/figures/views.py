@@ -135,6 +135,29 @@ def difference_heatmap(
     return panel_heatmaps([d], tokens, [title], diverging=True, focus=focus, title=title)
 
 
+NARROWEST_PX = 820  # the app's main column in a 1280 px wide window (sidebar open): the narrowest a
+# figure drawn at the container's width gets, where its panels' labels must still not collide
+BESIDE_PANELS_PX = 230  # of a figure's width, what is not panels: query labels and title, colour bar
+PANEL_TITLE_FONT = 13
+CHAR_PX = 0.6  # a character's width, in font sizes (plotly's sans-serif, a generous mean)
+
+
+def wrap_title(title: str, chars: int) -> str:
+    """``title`` as it is when it has at most ``chars`` characters, else in lines of at most ``chars``
+    where it can break (" · " first, then spaces), joined with ``<br>``; a longer word stays whole."""
+    if len(title) <= chars:
+        return title
+    lines: list[str] = []
+    for part in title.split(" · "):
+        for word in part.split(" "):
+            if lines and lines[-1] and len(lines[-1]) + 1 + len(word) <= chars:
+                lines[-1] += " " + word
+            else:
+                lines.append(word)
+        lines.append("")  # " · " breaks the line
+    return "<br>".join(line for line in lines if line)
+
+
 def panel_heatmaps(
     maps: Sequence,
     tokens: Sequence[str],
@@ -152,6 +175,8 @@ def panel_heatmaps(
     weight); False gives each panel its own range and colour bar. diverging: a red-blue scale centred
     at 0 with a symmetric range +-max|value| (difference maps); the colour bar states the range.
     Axis categories are position-labelled tokens ("3: the"); ``focus`` outlines a token in every panel.
+    The app draws the figure at its container's width: the key labels (every k-th) and the panel
+    titles (wrapped) are sized for the narrowest, :data:`NARROWEST_PX`, so that none collide there.
     """
     arrays = [as_array(m, f"maps[{k}]", 2) for k, m in enumerate(maps)]
     if not arrays:
@@ -165,9 +190,15 @@ def panel_heatmaps(
     focus = check_focus(focus, max(M, N))
     xs, ys = position_labels(keys), position_labels(keys if M == N else [str(i) for i in range(M)])
     n = len(arrays)
+    # room between panels: a gap, or a colour bar with its ticks when each panel has its own
+    spacing = (0.1 / n + 0.03) if shared_scale else 0.12
+    narrow = (1 - spacing * (n - 1)) / n * (NARROWEST_PX - BESIDE_PANELS_PX)  # a panel's px, at its narrowest
     # a panel named as the figure (one difference map) is not named twice: the two lines overlapped
-    subplot_titles = ["" if t == title else t for t in titles]
-    fig = make_subplots(rows=1, cols=n, subplot_titles=subplot_titles, horizontal_spacing=0.1 / n + 0.03)
+    chars = max(8, int(narrow / (CHAR_PX * PANEL_TITLE_FONT)))
+    subplot_titles = ["" if t == title else wrap_title(t, chars) for t in titles]
+    fig = make_subplots(rows=1, cols=n, subplot_titles=subplot_titles, horizontal_spacing=spacing)
+    fig.update_annotations(font={"size": PANEL_TITLE_FONT})
+    lines = max([t.count("<br>") + 1 for t in subplot_titles if t] + [0])
 
     def span(a):
         return float(np.abs(a).max()) if diverging else float(a.max())
@@ -195,8 +226,9 @@ def panel_heatmaps(
             domain = fig.layout[f"xaxis{k + 1 if k else ''}"].domain
             name = "difference" if diverging else "weight"
             bar = {"title": {"text": f"{name}<br>{'±' if diverging else '0–'}{lim:.3g}"}, "len": 0.9}
-            if not shared_scale:
-                bar |= {"x": domain[1] + 0.005, "xanchor": "left", "thickness": 12}
+            if not shared_scale:  # its range under the bar: a title above it ran into the next panel's
+                bar |= {"x": domain[1] + 0.005, "xanchor": "left", "thickness": 10,
+                        "title": {"text": f"{'±' if diverging else '0–'}{lim:.2g}", "side": "bottom"}}
             fig.layout[axis] = {
                 "colorscale": "RdBu_r" if diverging else COLORSCALE,
                 "cmin": -lim if diverging else 0.0,
@@ -204,28 +236,35 @@ def panel_heatmaps(
                 "colorbar": bar,
             }
         shapes += focus_shapes(focus, M, N, xref=f"x{k + 1 if k else ''}", yref=f"y{k + 1 if k else ''}")
-    step = label_step(N, panel_px - 120, font)
     fig.update_xaxes(
-        type="category", tickangle=-90, tickmode="array", tickvals=xs[::step], tickfont={"size": font}
+        type="category", tickangle=-90, tickmode="array", tickvals=xs[:: label_step(N, narrow, font)],
+        tickfont={"size": font},
     )
     fig.update_yaxes(
         type="category",
         autorange="reversed",
         tickmode="array",
-        tickvals=ys[::step],
+        tickvals=ys[:: label_step(M, panel_px - 120, font)],  # the height is the figure's own
         tickfont={"size": font},
         showticklabels=False,
     )
     fig.update_yaxes(showticklabels=True, col=1, title="query", automargin=True, title_standoff=6)
     fig.update_xaxes(title="key", automargin=True, title_standoff=6)
     fig.update_layout(
-        title=title, width=n * panel_px + 160, height=panel_px + 160, margin={"b": 110}, shapes=shapes
+        title=title,
+        width=n * panel_px + 160,
+        height=panel_px + 160,
+        margin={"b": 110, "t": max(100, 32 * lines + 40)},  # the title clear of wrapped panel titles
+        shapes=shapes,
     )
     return fig
 
 
-def js_distance_heatmap(values, *, title: str = "Jensen-Shannon distance per layer and head") -> go.Figure:
-    """(L, H) distances in [0, 1] (0 = same rows, 1 = disjoint), cell values printed when small."""
+def js_distance_heatmap(
+    values, *, title: str = "Jensen-Shannon distance per layer and head", zmax: float | None = None
+) -> go.Figure:
+    """(L, H) distances in [0, 1] (0 = same rows, 1 = disjoint), cell values printed when small.
+    ``zmax``: the top of the colour scale (default: the largest distance), one for maps compared."""
     v = as_array(values, "values", 2)
     L, H = v.shape
     fig = go.Figure(
@@ -235,7 +274,7 @@ def js_distance_heatmap(values, *, title: str = "Jensen-Shannon distance per lay
             y=np.arange(L),
             colorscale=MAGMA,
             zmin=0.0,
-            zmax=max(float(v.max()), 1e-6),
+            zmax=max(float(v.max()), 1e-6) if zmax is None else float(zmax),
             texttemplate="%{z:.2f}" if L * H <= 144 else None,
             textfont={"size": 10},
             colorbar={"title": {"text": "JS distance"}},
