@@ -14,6 +14,7 @@ and the app's Explaining away page. Each builder takes plain arrays or a table a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -23,10 +24,37 @@ import plotly.graph_objects as go
 from attnlab.figures._data import as_array, check_tokens, variant_color
 from attnlab.figures.bundle import FigureBundle
 
-__all__ = ["FIRST_KEYS", "importance_by_layer", "sink_rate_by_layer", "first_token_mass_heatmap",
-           "massive_activations_by_layer"]
+__all__ = ["FIRST_KEYS", "MASSIVE_ACTIVATIONS_COLUMNS", "importance_by_layer", "sink_rate_by_layer",
+           "first_token_mass_heatmap", "massive_activations_by_layer"]
 
 FIRST_KEYS = 16  # keys drawn by importance_by_layer (sinks sit at the start of the text)
+# The columns of massive activations' table (attnlab.hf.beyond.activations.COLUMNS): name -> (header
+# for people, number format), for the app's table (appkit.show.table_columns)
+MASSIVE_ACTIVATIONS_COLUMNS = {
+    "layer": ("layer", "%d"),
+    "max_abs": ("largest |hidden state|", "%.1f"),
+    "token_index": ("at token", "%d"),
+    "token": ("token", None),
+    "dim": ("dimension", "%d"),
+    "median_abs": ("median |hidden state|", "%.3f"),
+    "ratio": ("largest / median", "%.0f×"),
+}
+# Lines of several variants that coincide (DNAS's and Sinkhorn's sink rates: both normalize columns)
+# stay apart: each later line is narrower, dashed otherwise and marked by another symbol, so it is
+# drawn inside the earlier one instead of over it
+LINE_STYLES = (("solid", "circle", 5, 12), ("dash", "diamond", 3.5, 9), ("dot", "square", 2.5, 7),
+               ("dashdot", "x", 1.8, 6), ("longdash", "triangle-up", 1.3, 5))  # dash, symbol, width, size
+
+
+def decade_ticks(values, *, room: float = 0.0) -> dict:
+    """A log axis labelled at whole decades only ("0.1", "1", "10", ..., no minor "2" and "5" between),
+    its range the positive ``values``' decades with ``room`` decades more on top (bar texts)."""
+    v = np.asarray(values, dtype=np.float64)
+    v = v[np.isfinite(v) & (v > 0)]
+    lo, hi = (math.log10(v.min()), math.log10(v.max())) if v.size else (0.0, 1.0)
+    decades = np.arange(math.floor(lo), math.ceil(hi + room) + 1)
+    return {"range": [math.floor(lo) - 0.05, hi + room], "tickvals": (10.0 ** decades).tolist(),
+            "ticktext": [f"{10.0 ** k:,g}" if -4 <= k <= 6 else f"1e{k:d}" for k in decades]}
 
 
 def importance_by_layer(importance, tokens: Sequence[str], variant: str, *, keys: int = FIRST_KEYS,
@@ -72,8 +100,10 @@ def sink_rate_by_layer(rates: Mapping[str, object], eps: float, *, position: int
     fig, rows = go.Figure(), []
     for i, (v, r) in enumerate(rates.items()):
         y = as_array(r, f"rates[{v!r}]", 1).astype(np.float64)
+        dash, symbol, width, size = LINE_STYLES[i % len(LINE_STYLES)]
         fig.add_trace(go.Scatter(x=np.arange(len(y)), y=y, mode="lines+markers", name=v,
-                                 line={"color": variant_color(v, i)},
+                                 line={"color": variant_color(v, i), "dash": dash, "width": width},
+                                 marker={"symbol": symbol, "size": size},
                                  hovertemplate=f"{v}<br>layer %{{x}}: %{{y:.0%}} of heads<extra></extra>"))
         rows.append(pd.DataFrame({"variant": v, "layer": np.arange(len(y)), "eps": float(eps),
                                   "sink_rate": y}))
@@ -118,16 +148,20 @@ def massive_activations_by_layer(table: pd.DataFrame, *, title: str | None = Non
                                                                   strict=True)]
     custom = np.stack([t["ratio"].to_numpy(np.float64), t["median_abs"].to_numpy(np.float64)], -1)
     fig = go.Figure([
-        go.Bar(x=t["layer"], y=t["max_abs"], name="largest |h|", text=where, textposition="outside",
-               customdata=custom, marker_color="#1f77b4",
-               hovertemplate="layer %{x}<br>largest |h| %{y:.4g} at token %{text}<br>median |h| "
-                             "%{customdata[1]:.4g}, ratio %{customdata[0]:.1f}<extra></extra>"),
-        go.Scatter(x=t["layer"], y=t["median_abs"], name="median |h|", mode="markers",
-                   marker={"color": "#7f7f7f", "symbol": "line-ew-open", "size": 18}),
+        go.Bar(x=t["layer"], y=t["max_abs"], name="largest |hidden state|", text=where,
+               textposition="outside", customdata=custom, marker_color="#1f77b4",
+               hovertemplate="layer %{x}<br>largest |hidden state| %{y:.1f} at token %{text}<br>median "
+                             "%{customdata[1]:.3f}, ratio %{customdata[0]:.0f}×<extra></extra>"),
+        go.Scatter(x=t["layer"], y=t["median_abs"], name="median |hidden state|", mode="markers",
+                   marker={"color": "#d62728", "symbol": "line-ew-open", "size": 22,
+                           "line": {"width": 3, "color": "#d62728"}},  # a bar-wide stroke, not a hairline
+                   hovertemplate="layer %{x}<br>median |hidden state| %{y:.3f}<extra></extra>"),
     ])
     fig.update_layout(title=title or "Massive activations: the largest |hidden state| per layer and its "
                                      "ratio to the median", xaxis_title="layer (residual stream after it)",
-                      yaxis_title="|h|", yaxis_type="log", template="plotly_white", height=420, width=760)
+                      yaxis_title="|hidden state| (log scale)", template="plotly_white", height=420,
+                      width=760)
     fig.update_xaxes(dtick=1)
+    fig.update_yaxes(type="log", **decade_ticks(t[["max_abs", "median_abs"]].to_numpy(np.float64), room=0.6))
     return FigureBundle(fig, t.reset_index(drop=True), {"max_abs": t["max_abs"].to_numpy(np.float64),
                                                         "ratio": t["ratio"].to_numpy(np.float64)})
