@@ -30,7 +30,9 @@ __all__ = [
     "intervention_heatmap",
     "faithfulness_bars",
     "MEASURE_TITLES",
+    "MEASURE_FORMATS",
     "INTERVENTION_COLUMNS",
+    "intervention_columns",
 ]
 
 # The measures of attnlab.hf.beyond.interventions, named for people (titles, table headers).
@@ -39,6 +41,11 @@ MEASURE_TITLES = {
     "pooled_cosine": "mean-pooled embedding: cosine distance",
     "loglik_change": "log-likelihood per token: change (nats)",
 }
+# One number format per measure (d3 / plotly), in the map's hover and colour bar and (printf, "%" + it)
+# in the table: cosine distances span decades (1e-6 to 0.1 on MiniLM), so in scientific notation; a
+# model has either the two cosine distances (encoders) or the log-likelihood change (causal LMs)
+MEASURE_FORMATS = {"hidden_cosine": ".2e", "pooled_cosine": ".2e", "loglik_change": "+.2e"}
+DEFAULT_FORMAT = ".3g"
 # InterventionResult.table()'s columns: name -> (header, number format), for the app's table
 INTERVENTION_COLUMNS = {
     "variant": ("swapped to", None),
@@ -47,6 +54,16 @@ INTERVENTION_COLUMNS = {
     "measure": ("measure", None),
     "value": ("output change", "%.4g"),
 }
+
+
+def intervention_columns(measures) -> dict[str, tuple[str, str | None]]:
+    """INTERVENTION_COLUMNS for a result with these measures: "output change" in the measures' one
+    format (:data:`MEASURE_FORMATS`, printf), as the map's hover and colour bar write it."""
+    formats = {MEASURE_FORMATS.get(m, DEFAULT_FORMAT) for m in measures}
+    value = formats.pop() if len(formats) == 1 else DEFAULT_FORMAT
+    return {**INTERVENTION_COLUMNS, "value": ("output change", "%" + value)}
+
+
 WEIGHT_STAT = "explained_away_relative"
 CONTRIBUTION_STAT = "contribution_explained_away_relative"
 
@@ -179,8 +196,9 @@ def intervention_heatmap(
                 list(range(L)),
                 colorscale=MAGMA if name != "loglik_change" else "RdBu",
                 colorbar=dict(x=fig.layout[f"xaxis{'' if i == 1 else i}"].domain[1] + 0.01, len=0.9,
-                              thickness=14),
-                hovertemplate="layer %{y}, head %{x}<br>%{z:.3g}<extra></extra>",
+                              thickness=14, tickformat=MEASURE_FORMATS.get(name, DEFAULT_FORMAT)),
+                hovertemplate=f"layer %{{y}}, head %{{x}}<br>{MEASURE_TITLES.get(name, name)}: "
+                f"%{{z:{MEASURE_FORMATS.get(name, DEFAULT_FORMAT)}}}<extra></extra>",
             ),
             row=1,
             col=i,
