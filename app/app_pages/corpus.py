@@ -32,9 +32,10 @@ with st.expander("New corpus run", expanded=not corpus_runs.list_runs()), st.for
     upload = st.file_uploader("Upload .jsonl / .csv / .parquet, or a .zip of .txt files", key=f"{P}_upload",
                               type=["jsonl", "csv", "parquet", "zip"])
     path = st.text_input("Server path (folder of .txt/.md, or a .jsonl/.csv/.parquet file)", key=f"{P}_path")
-    a, b, c, d, e = st.columns(5)
-    variants = a.multiselect("Variants", list(attnlab.VARIANTS), default=list(attnlab.VARIANTS),
-                             key=f"{P}_variants")
+    # a row of its own: in a fifth of the form its chips were cut at 1280 px
+    variants = st.multiselect("Variants", list(attnlab.VARIANTS), default=list(attnlab.VARIANTS),
+                              key=f"{P}_variants")
+    b, c, d, e = st.columns(4)
     window = b.number_input("Window (tokens)", 8, 512, 128, key=f"{P}_window")
     max_docs = c.number_input("Max documents (0 = all)", 0, 10_000_000, 100, key=f"{P}_max_docs")
     shard_docs = d.number_input("Documents per shard", 1, 10_000, 8, key=f"{P}_shard_docs",

@@ -33,9 +33,10 @@ with st.expander("New swap-eval run", expanded=not corpus_runs.list_runs(KIND)),
     upload = st.file_uploader("Upload .jsonl / .csv / .parquet, or a .zip of .txt files", key=f"{P}_upload",
                               type=["jsonl", "csv", "parquet", "zip"])
     path = st.text_input("Server path (folder of .txt/.md, or a .jsonl/.csv/.parquet file)", key=f"{P}_path")
-    a, b, c, d, e = st.columns(5)
-    variants = a.multiselect("Variants swapped in", list(attnlab.VARIANTS),
-                             default=["dnas", "sinkhorn", "softmax1"], key=f"{P}_variants")
+    # a row of its own: in a fifth of the form its chips were cut at 1280 px
+    variants = st.multiselect("Variants swapped in", list(attnlab.VARIANTS),
+                              default=["dnas", "sinkhorn", "softmax1"], key=f"{P}_variants")
+    b, c, d, e = st.columns(4)
     layers = b.selectbox("Layers", list(LAYERS), key=f"{P}_layers")
     window = c.number_input("Window (tokens, 0 = the model's)", 0, 8192, 0, key=f"{P}_window")
     max_docs = d.number_input("Max documents (0 = all)", 0, 10_000_000, 100, key=f"{P}_max_docs")
