@@ -250,17 +250,21 @@ def test_causal_kernel_equals_the_pytorch_tiles(case, monkeypatch):
     params = {v: check_params(v, {"u": u}, causal=True) for v in variants}
     special = torch.zeros(N, dtype=torch.bool)
     special[[0, 3, N - 1]] = True
-    specials = [special, ~special]
-    got = streamed.stream_sums(layers, variants, params, specials)
-    monkeypatch.setattr(causal_kernel, "_USE_KERNEL", False)
-    want = streamed.stream_sums(layers, variants, params, specials)
-    for v in variants:
-        for name, t in want[v].items():
-            if t is None:
-                assert got[v][name] is None
-                continue
-            gap = (got[v][name] - t).abs().max()
-            assert torch.allclose(got[v][name], t, atol=3e-5, rtol=1e-4), (v, name, gap)
+    first = torch.zeros(N, dtype=torch.bool)
+    first[0] = True
+    # masks that cover every key between them and masks of a few keys only (the first token)
+    for specials in ([special, ~special], [special, first]):
+        monkeypatch.setattr(causal_kernel, "_USE_KERNEL", True)
+        got = streamed.stream_sums(layers, variants, params, specials)
+        monkeypatch.setattr(causal_kernel, "_USE_KERNEL", False)
+        want = streamed.stream_sums(layers, variants, params, specials)
+        for v in variants:
+            for name, t in want[v].items():
+                if t is None:
+                    assert got[v][name] is None
+                    continue
+                gap = (got[v][name] - t).abs().max()
+                assert torch.allclose(got[v][name], t, atol=3e-5, rtol=1e-4), (v, name, gap)
 
 
 def test_causal_kernel_leaves_other_masks_and_nan_to_the_exact_path(monkeypatch):
