@@ -7,6 +7,7 @@ copy of the (L, H, N, N) arrays per rerun), shared by every session, a few entri
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -89,6 +90,12 @@ class WindowView:
     _nan: list = field(default_factory=list, init=False, repr=False, compare=False)  # [note], once known
     # a streamed window's statistics (eps_relative -> tidy table) without its weights (None: from them)
     streamed_table: object = field(default=None, repr=False, compare=False)
+    # a long context's {variant: (L, H, N)} column masses, taken by the capture forward as its layers
+    # ran (None: not taken; readers compute them)
+    column_masses: Mapping | None = field(default=None, repr=False, compare=False)
+    # (L, N) queries that may attend each key, from the layers' masks of the capture forward (a causal
+    # model's streamed window; None: not known)
+    key_counts: torch.Tensor | None = field(default=None, repr=False, compare=False)
     # an encoder-decoder's kind shown ("encoder", "decoder", "cross"; appkit/seq2seq.py), else None;
     # cross-attention's (M,) target tokens, the rows of its (L, H, M, N) weights (None: ``tokens``)
     kind: str | None = None
@@ -226,11 +233,14 @@ def _given(model, u: float, iters: int) -> tuple:
     return u, iters
 
 
-def _streamed_table(s: Settings, text: str, window: int):
-    """eps_relative -> the window's tidy statistics by a second capture forward that takes them as it
-    runs (``statistics=True``, the streamed analysis: no weights held): a long context's CSV."""
+def _streamed_table(s: Settings, text: str, window: int, result=None):
+    """eps_relative -> the window's tidy statistics of a long context's CSV: from the row sums its
+    capture forward took (``result``, a WindowResult of a ``statistics=True`` plan: no weights held, no
+    second forward), else by a second capture forward that takes them as it runs."""
 
     def table(eps_relative: float):
+        if result is not None:
+            return result.table(eps_relative=eps_relative)
         model = load(s.source)
         u, iters = _given(model, s.u, s.iters)
         plan = hf.stream_analysis(text, model, s.variants, s.mode, u, iters, **dict(s.extra))
@@ -268,10 +278,16 @@ def _window(
     s = Settings(Source(kind, path, label), variants, mode, u, iters, extra)
     model = load(s.source)
     plan = _plan(kind, path, text, variants, mode, u, iters, extra)
+    sums = _sums_come_free(plan, window)
+    if sums:  # the capture forward's kernel takes every variant's row sums anyway: keep them
+        plan = dataclasses.replace(plan, statistics=True)
     result = plan.window(window)
     used = plan.u if isinstance(plan.u, float) else plan.u.numpy()
     long = len(result.tokens) > LONG_CONTEXT  # a long context's streamed weights stay per head on access
     streamed = long and any(isinstance(w, HeadMaps) for w in dict.values(result.weights))
+    behind = _streamed_window(result)  # its layers' masks: the sink views' counts, no second forward
+    counts = behind.counts() if model.info.causal and behind is not None else None
+    masses = _forward_masses(result, behind) if sums and streamed else None
     return WindowView(
         s,
         model.info,
@@ -287,8 +303,45 @@ def _window(
         text_sha256=plan.text_sha256,
         characters=len(text),
         notes=list(plan.notes),
-        streamed_table=_streamed_table(s, text, window) if streamed else None,
+        streamed_table=_streamed_table(s, text, window, result if masses is not None else None)
+        if streamed else None,
+        column_masses=masses,
+        key_counts=counts,
     )
+
+
+def _sums_come_free(plan, index: int) -> bool:
+    """Whether window ``index`` is a causal model's long context whose capture forward runs attnlab's
+    causal kernel for every chosen variant (recompute mode, CPU): the kernel sums their rows as the
+    layers run, kept or not (attnlab/hf/compute/causal_forward.py), so keeping them
+    (``statistics=True``) costs two key masks more. Other variants (sparsemax, plugins) would stream
+    their sums after the forward."""
+    from attnlab.hf.compute import causal_kernel
+
+    w, loaded = plan.windowing, plan.loaded
+    n = min(w.content, w.n_tokens - w.starts[index]) + (w.window - w.content)  # special tokens included
+    if (not plan.model.causal or plan.mode != "recompute" or isinstance(loaded, hf.NativeModel)
+            or loaded.device.type != "cpu" or n <= LONG_CONTEXT):
+        return False
+    slots = causal_kernel.kernel_slots(plan.variants, {}, True)
+    return causal_kernel.causal_kernel() is not None and set(slots) == set(plan.variants)
+
+
+def _streamed_window(result):
+    """The StreamedWindow behind a window's HeadMaps (attnlab/hf/compute/streamed.py), or None."""
+    w = next(iter(dict.values(result.weights)), None)  # (computes no lazy variant)
+    return w.window if isinstance(w, HeadMaps) and w.window is not None else None
+
+
+def _forward_masses(result, window) -> dict[str, torch.Tensor]:
+    """{variant: (L, H, N)} column masses from the capture forward's row sums, also put in the streamed
+    window's own cache, so that its ``column_masses()`` (Explaining away, the NaN note) reads them
+    instead of another pass over the tiles: the same kernel sums, the same values."""
+    masses = result.column_masses()
+    cache = getattr(window, "_sinks", None)  # StreamedWindow.column_masses()' cache, entry "cols"
+    if isinstance(cache, dict):
+        cache.setdefault("cols", dict(masses))
+    return masses
 
 
 class _NumpyWeights(Mapping):

@@ -37,15 +37,21 @@ def _streamed(view: WindowView):
 
 @st.cache_resource(max_entries=4, ttl=1800, show_spinner="Reading the layers' masks…")
 def _counts(key: str, text: str, _view: WindowView) -> torch.Tensor:
-    """(L, N) queries that may attend each key: from the streamed window, or (a shorter window) from
-    the layers' masks of one capture forward (unas only: the counts depend on the model, not on the
-    variant); every query of a bidirectional model."""
+    """(L, N) queries that may attend each key: from the streamed window, or the layers' masks the
+    window's own capture forward saw (``WindowView.key_counts``, kept by appkit.analysis: no forward
+    here); every query of a bidirectional model. Only a causal view without them (swap mode: its
+    weights are not streamed) reads the masks of one more capture forward (unas only: the counts
+    depend on the model, not on the variant)."""
     window = _streamed(_view)
     if window is not None:
         return window.counts()
+    if _view.key_counts is not None:
+        return _view.key_counts
     L, _, N = _view.shape
     if not _view.info.causal:
         return torch.full((L, N), float(N))
+    if isinstance(load(_view.settings.source), hf.NativeModel):  # its weights are never streamed: N - j
+        return sinks.queries_per_key(N, N).expand(L, N)
     plan = hf.stream_analysis(text, load(_view.settings.source), ("unas",), statistics=False)
     return _streamed_counts(plan.window(_view.window).weights["unas"], L, N)
 
@@ -58,6 +64,8 @@ def _streamed_counts(w, L: int, N: int) -> torch.Tensor:
 @st.cache_resource(max_entries=4, ttl=1800, show_spinner="Summing the attention each key receives…")
 def _masses(key: str, _view: WindowView) -> dict[str, torch.Tensor]:
     """{variant: (L, H, N) column masses}: streamed on a long context, else from the weights."""
+    if _view.column_masses is not None:  # taken by the capture forward (appkit.analysis)
+        return dict(_view.column_masses)
     window = _streamed(_view)
     if window is not None:
         return window.column_masses()

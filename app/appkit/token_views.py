@@ -26,6 +26,7 @@ import streamlit as st
 from appkit import state
 from appkit.analysis import WindowView
 from appkit.export import export_menu
+from appkit.long_context import span_block
 from appkit.neuron import note_focus_click, wants_page_rerun
 from appkit.show import FOCUS, bundle, current_focus, focus, manifest
 from attnlab.figures._data import block_mean
@@ -91,10 +92,16 @@ def _on_heads(key: str) -> None:
 @st.cache_resource(max_entries=4, ttl=1800, show_spinner=False)
 def _layer_span(key: str, variant: str, layer: int, lo: int, hi: int, _view: WindowView):
     """(blocks (H, n, n) of the layer's heads over tokens [lo, hi), column masses (H, N) over every
-    query): each head's (N, N) computed in turn (``weights.head``) and dropped, so one at a time."""
+    query). With the column masses the capture forward took (``WindowView.column_masses``), each
+    head's block alone is computed (``long_context.span_block``: the tiles of its rows, not its whole
+    map); without them each head's (N, N) is computed in turn (``weights.head``), summed and dropped."""
     maps = _view.weights[variant]
+    H = _view.shape[1]
+    if _view.column_masses is not None:
+        blocks = [span_block(maps, layer, h, lo, hi) for h in range(H)]
+        return np.stack(blocks), _view.column_masses[variant][layer].numpy()  # (H, n, n), (H, N)
     blocks, mass = [], []
-    for h in range(_view.shape[1]):
+    for h in range(H):
         m = head_map(maps, layer, h)  # (N, N)
         blocks.append(m[lo:hi, lo:hi].copy())
         mass.append(m.sum(0))
