@@ -61,6 +61,7 @@ class Objective(Protocol):
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None: ...
     def hybrid_weights(self) -> list | None: ...  # (L, H) u for metrics.jsonl, or None
     def export(self, run_dir: Path) -> None: ...  # the final product (mlm-head: model/)
+    # optional: make_data(tokenizer, corpus, config) -> batches with HFWindows' interface (s2s-hnas)
 
 
 @dataclass
@@ -117,8 +118,10 @@ def train_objective(config: HFRunConfig, objective: Objective, tokenizer, run_di
             raise ValueError(f"data.corpus {dc.corpus!r} is empty; expected text to train on")
         fingerprint = corpus_fingerprint(corpus)
         info = objective.info
-        data = HFWindows(tokenizer, corpus, seq_len=dc.seq_len, causal=info.causal,
-                         vocab_size=len(tokenizer), mask_rate=dc.mask_rate, seed=tc.seed)
+        make_data = getattr(objective, "make_data", None)  # s2s-hnas: (source, lead summary) pairs
+        data = make_data(tokenizer, corpus, config) if make_data is not None else HFWindows(
+            tokenizer, corpus, seq_len=dc.seq_len, causal=info.causal, vocab_size=len(tokenizer),
+            mask_rate=dc.mask_rate, seed=tc.seed)
         data.check_batch(tc.batch_size, dc.corpus)
         groups = objective.param_groups(config)
         optimizer = torch.optim.AdamW(groups, lr=tc.lr, betas=tc.betas, eps=tc.eps)

@@ -80,6 +80,15 @@ def train_hf(config: HFRunConfig, run_dir, *, resume: bool = False, device: str 
     from attnlab.hf.load.model_info import resolve_device
 
     dev = resolve_device(device or "auto", "--device")
+    if config.kind == "s2s-hnas":  # HNAS in an encoder-decoder's encoder (attnlab.train.seq2seq_hnas)
+        from attnlab.data import load_corpus
+        from attnlab.train.seq2seq_hnas import seq2seq_objective
+
+        if text is None:
+            text = load_corpus(config.data.corpus, config.data.max_chars)
+        objective = seq2seq_objective(config, run_dir, resume, dev, text)
+        return train_objective(config, objective, objective.tokenizer, run_dir, resume=resume,
+                               device=str(dev), progress=progress, text=text, stop_after=stop_after)
     model_dir = config.base.model
     if model_dir is not None and not Path(model_dir).is_dir():
         raise ValueError(f"--model (base.model) must be a model directory, got {config.base.model!r}, "
@@ -103,20 +112,22 @@ def train_hf(config: HFRunConfig, run_dir, *, resume: bool = False, device: str 
 
 
 def is_retrofit_run(run_dir: str | os.PathLike) -> bool:
-    """True for a run directory of ``attnlab train --recipe retrofit-hnas`` (its recipe.json's kind)."""
+    """True for a run directory of ``attnlab train --recipe retrofit-hnas`` (its recipe.json's kind), or of
+    ``s2s-hnas`` (u of the encoder, also theta in its checkpoints: :func:`retrofit_hybrid_weights`)."""
     from attnlab.train.config import recipe_file_kind
 
-    return recipe_file_kind(Path(run_dir) / "recipe.json") == "retrofit-hnas"
+    return recipe_file_kind(Path(run_dir) / "recipe.json") in ("retrofit-hnas", "s2s-hnas")
 
 
 def retrofit_hybrid_weights(run_dir: str | os.PathLike) -> tuple[torch.Tensor, int]:
-    """((L, H) u = sigmoid(theta), step) of a retrofit run's latest checkpoint (no model is loaded)."""
+    """((L, H) u = sigmoid(theta), step) of a retrofit run's latest checkpoint (no model is loaded); an
+    s2s-hnas run's is (encoder layers, heads)."""
     latest = read_latest(Path(run_dir))
     if latest is None:
         raise CheckpointError(f"{run_dir} has no checkpoint yet (no latest.json)")
     meta, tensors = read_step(Path(run_dir) / latest["dir"])
-    if meta.get("kind") != "retrofit-hnas" or "theta" not in tensors:
-        raise CheckpointError(f"{run_dir} is not a retrofit-hnas run (kind {meta.get('kind')!r})")
+    if meta.get("kind") not in ("retrofit-hnas", "s2s-hnas") or "theta" not in tensors:
+        raise CheckpointError(f"{run_dir} is not a retrofit-hnas or s2s-hnas run (kind {meta.get('kind')!r})")
     return torch.sigmoid(tensors["theta"].double()), int(meta.get("step", latest["step"]))
 
 

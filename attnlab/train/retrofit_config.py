@@ -1,11 +1,13 @@
-"""Configuration of the recipes that train on a pretrained Hugging Face model: ``retrofit-hnas`` (learn
-HNAS's u per layer and head, the model frozen) and ``mlm-head`` (learn a masked-LM head, the encoder
-frozen). A recipe file (``attnlab/recipes/retrofit-hnas.json``) and ``--config FILE.json`` share one
-format::
+"""Configuration of the recipes that train a Hugging Face model through attnlab's swap: ``retrofit-hnas``
+(learn HNAS's u per layer and head, the model frozen), ``mlm-head`` (learn a masked-LM head, the encoder
+frozen) and ``s2s-hnas`` (HNAS in the *encoder's* self-attention of an encoder-decoder, the paper's
+summarization setting; a tiny BART built from ``arch`` and trained from scratch, or ``base.model``).
+A recipe file (``attnlab/recipes/retrofit-hnas.json``) and ``--config FILE.json`` share one format::
 
     {"name": "retrofit-hnas", "kind": "retrofit-hnas", "description": "...",
      "base":  {BaseConfig fields: the model directory, u0, train_rest, rest_lr},
-     "data":  {HFDataConfig fields: corpus, max_chars, seq_len, mask_rate},
+     "arch":  {Seq2SeqArch fields} (s2s-hnas with base.model null only; else null or absent),
+     "data":  {HFDataConfig fields: corpus, max_chars, seq_len, mask_rate, target_len},
      "train": {attnlab.train.config.TrainConfig fields}}
 
 Every field is validated with a ValueError naming it, what was expected and what was seen.
@@ -19,9 +21,9 @@ from pathlib import Path
 
 from attnlab.train.config import TrainConfig, _check, _from_dict, _is_int, section_differences
 
-__all__ = ["HF_KINDS", "BaseConfig", "HFDataConfig", "HFRunConfig"]
+__all__ = ["HF_KINDS", "BaseConfig", "Seq2SeqArch", "HFDataConfig", "HFRunConfig"]
 
-HF_KINDS = ("retrofit-hnas", "mlm-head")  # recipe kinds that train on a pretrained model
+HF_KINDS = ("retrofit-hnas", "mlm-head", "s2s-hnas")  # recipe kinds that train a Hugging Face model
 
 
 @dataclass
@@ -50,6 +52,7 @@ class HFDataConfig:
     max_chars: int | None = None  # use only the first max_chars characters of the corpus
     seq_len: int = 128  # tokens per window, the tokenizer's special tokens included
     mask_rate: float = 0.15  # masked LMs: share of the window's tokens scored (BERT's rule)
+    target_len: int = 16  # s2s-hnas: the lead summary's tokens at most (its [CLS] and [SEP] not counted)
 
     def __post_init__(self):
         s = "data"
@@ -62,6 +65,33 @@ class HFDataConfig:
                "an integer in [4, 65536]")
         _check(s, self, "mask_rate", isinstance(self.mask_rate, (int, float)) and 0.0 < self.mask_rate < 1.0,
                "in (0, 1)")
+        _check(s, self, "target_len", _is_int(self.target_len) and 1 <= self.target_len <= 1024,
+               "an integer in [1, 1024]")
+
+
+@dataclass
+class Seq2SeqArch:
+    """s2s-hnas: the tiny encoder-decoder built from scratch (transformers' BartConfig), dropout 0 so that
+    a step is a deterministic function of its batch (exact resume)."""
+
+    encoder_layers: int = 4  # encoder blocks: HNAS self-attention, u (encoder_layers, heads) learned
+    decoder_layers: int = 2  # decoder blocks: softmax self- and cross-attention
+    d_model: int = 128  # hidden size
+    heads: int = 4  # attention heads in every attention (head dim d_model / heads)
+    ffn_dim: int = 256  # feed-forward width of every block
+    vocab_size: int = 4096  # WordPiece pieces kept from the corpus (attnlab.data.build_tokenizer)
+
+    def __post_init__(self):
+        s = "arch"
+        for name, hi in (("encoder_layers", 64), ("decoder_layers", 64), ("d_model", 4096), ("heads", 64),
+                         ("ffn_dim", 16384)):
+            _check(s, self, name, _is_int(getattr(self, name)) and 1 <= getattr(self, name) <= hi,
+                   f"an integer in [1, {hi}]")
+        _check(s, self, "vocab_size", _is_int(self.vocab_size) and 64 <= self.vocab_size <= 65536,
+               "an integer in [64, 65536]")
+        if self.d_model % self.heads:
+            raise ValueError(f"arch.d_model must be a multiple of arch.heads ({self.heads}), "
+                             f"got {self.d_model}")
 
 
 @dataclass
@@ -70,6 +100,7 @@ class HFRunConfig:
     kind: str = "retrofit-hnas"  # one of HF_KINDS
     description: str = ""
     base: BaseConfig = field(default_factory=BaseConfig)
+    arch: Seq2SeqArch | None = None  # s2s-hnas from scratch (base.model null): the model to build
     data: HFDataConfig = field(default_factory=HFDataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
@@ -78,6 +109,8 @@ class HFRunConfig:
             raise ValueError(f"kind must be one of {list(HF_KINDS)}, got {self.kind!r}")
         if isinstance(self.base, dict):
             self.base = _from_dict(BaseConfig, self.base, "base")
+        if isinstance(self.arch, dict):
+            self.arch = _from_dict(Seq2SeqArch, self.arch, "arch")
         if isinstance(self.data, dict):
             self.data = _from_dict(HFDataConfig, self.data, "data")
         if isinstance(self.train, dict):
@@ -85,6 +118,16 @@ class HFRunConfig:
         if self.kind == "mlm-head" and self.base.train_rest:
             raise ValueError("base.train_rest must be false for kind 'mlm-head' (the encoder stays frozen), "
                              "got true")
+        if self.kind != "s2s-hnas" and self.arch is not None:
+            raise ValueError(f"arch is for kind 's2s-hnas' (a model built from scratch), got an arch section "
+                             f"with kind {self.kind!r}")
+        if self.kind == "s2s-hnas" and self.base.model is None:
+            if self.arch is None:
+                raise ValueError("kind 's2s-hnas' needs base.model (an encoder-decoder directory) or an arch "
+                                 "section (the tiny BART to build); got neither")
+            if not self.base.train_rest:
+                raise ValueError("base.train_rest must be true for kind 's2s-hnas' built from scratch "
+                                 "(arch): a random model that does not train learns nothing; got false")
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -103,6 +146,8 @@ class HFRunConfig:
         """Fields that differ and would change the run (ignores RESUME_MUTABLE train fields)."""
         a, b = self.to_dict(), other.to_dict()
         out = [f"kind: {a['kind']!r} != {b['kind']!r}"] if a["kind"] != b["kind"] else []
+        if a.get("arch") != b.get("arch"):
+            out.append(f"arch: {a.get('arch')!r} != {b.get('arch')!r}")
         return out + section_differences(a, b, ("base", "data", "train"))
 
 
