@@ -246,9 +246,6 @@ def test_explaining_away_distribution_fills_the_column(app_env, chart_widths):
     assert chart_widths["away_column_mass"] == "stretch"
 
 
-@pytest.mark.xfail(strict=True, reason="needs app/appkit/sinks_view.py (another engineer's): "
-                   "width='stretch' on its four show_bundle calls, column_config=table_columns("
-                   "figs.MASSIVE_ACTIVATIONS_COLUMNS) on its st.dataframe; drop this marker once it has them")
 def test_sink_views_fill_the_column_and_label_the_table(app_env, chart_widths):
     """Seen: the sink views at fixed widths, the massive-activations table with raw column names."""
     from attnlab.figures.sinks import MASSIVE_ACTIVATIONS_COLUMNS

@@ -19,7 +19,7 @@ import streamlit as st
 import torch
 
 from appkit.analysis import WindowView
-from appkit.show import show_bundle
+from appkit.show import show_bundle, table_columns
 from appkit.sources import load
 from attnlab import hf, sinks
 from attnlab.figures import sinks as figs
@@ -106,11 +106,11 @@ def sink_views(prefix: str, view: WindowView, text: str) -> None:
     imp = importance(view, text)
     head = None if heads == "mean over heads" else int(heads)
     by_key = figs.importance_by_layer(imp[variant], view.tokens, variant, head=head)
-    show_bundle(prefix, "sink_importance", by_key)
+    show_bundle(prefix, "sink_importance", by_key, width="stretch")
     rates = {v: sinks.rate_from_importance(i[..., 0], eps) for v, i in imp.items()}  # (L,) each
-    show_bundle(prefix, "sink_rate", figs.sink_rate_by_layer(rates, eps))
+    show_bundle(prefix, "sink_rate", figs.sink_rate_by_layer(rates, eps), width="stretch")
     first = _masses(view.key, view)[variant][..., 0] / N  # (L, H): sum_i pi_i0 / M, M = N queries
-    show_bundle(prefix, "first_token_mass", figs.first_token_mass_heatmap(first, variant))
+    show_bundle(prefix, "first_token_mass", figs.first_token_mass_heatmap(first, variant), width="stretch")
     st.markdown("**Massive activations** (Sun et al. 2024): the largest |hidden state| of the residual "
                 "stream after each layer, where it sits, and how far above the median it stands.")
     if isinstance(load(view.settings.source), hf.NativeModel):
@@ -118,5 +118,6 @@ def sink_views(prefix: str, view: WindowView, text: str) -> None:
                 "layers); attnlab's own checkpoints have none.")
         return
     table = _activations(view.key, view)
-    show_bundle(prefix, "massive_activations", figs.massive_activations_by_layer(table))
-    st.dataframe(table, hide_index=True, key=f"{prefix}_massive_table")
+    show_bundle(prefix, "massive_activations", figs.massive_activations_by_layer(table), width="stretch")
+    st.dataframe(table, hide_index=True, key=f"{prefix}_massive_table",
+                 column_config=table_columns(figs.MASSIVE_ACTIVATIONS_COLUMNS))
