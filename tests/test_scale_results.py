@@ -127,3 +127,33 @@ def test_build_scale_results_writes_numbers_and_figures(tiny_runs, tmp_path):
     assert json.loads((tmp_path / "scale_results.json").read_text())["u"] == res["u"]
     with pytest.raises(FileNotFoundError, match="no scale run"):
         sr.build_scale_results(tmp_path / "none", tmp_path, runs=None)
+
+
+def test_unfinished_runs_are_listed_not_counted(tiny_runs, tmp_path):
+    """A run short of its steps (here: its recipe asks for more) is listed with its step and left out of
+    u, the trend, the losses and the column masses, unless an interim reading asks for it; a run at step
+    0 never counts (its u is exactly 0.5 and would pass for a seed)."""
+    import shutil
+
+    root = tmp_path / "ck"
+    shutil.copytree(tiny_runs, root)
+    recipe = root / "enc8-hnas-s1" / "recipe.json"
+    cfg = json.loads(recipe.read_text())
+    cfg["train"]["steps"] = 10  # trained 3 of 10
+    recipe.write_text(json.dumps(cfg))
+    res = sr.build_scale_results(root, tmp_path / "f", runs=None, n_windows=4)
+    assert res["runs"]["enc8-hnas-s1"] == {**res["runs"]["enc8-hnas-s1"], "finished": False, "used": False,
+                                          "step": 3}
+    assert res["u"]["layers"][0]["n"] == 1 and set(res["u"]["layers"][0]["seeds"]) == {"enc8-hnas-s0"}
+    assert set(res["loss"]) == set(res["column_mass"]) == {"enc8-unas-s0", "enc8-hnas-s0"}
+    interim = sr.build_scale_results(root, tmp_path / "g", runs=None, n_windows=4, include_unfinished=True)
+    assert interim["runs"]["enc8-hnas-s1"]["used"] and interim["u"]["layers"][0]["n"] == 2
+    (root / "enc8-hnas-s1" / "latest.json").write_text(json.dumps({"step": 0}))
+    at_zero = sr.build_scale_results(root, tmp_path / "h", runs=None, n_windows=4, include_unfinished=True)
+    assert not at_zero["runs"]["enc8-hnas-s1"]["used"] and at_zero["u"]["layers"][0]["n"] == 1
+    for name in ("enc8-unas-s0", "enc8-hnas-s0"):
+        cfg = json.loads((root / name / "recipe.json").read_text())
+        cfg["train"]["steps"] = 10
+        (root / name / "recipe.json").write_text(json.dumps(cfg))
+    with pytest.raises(FileNotFoundError, match="no finished scale run yet .*enc8-hnas-s0 at step 3 of 10"):
+        sr.build_scale_results(root, tmp_path / "i", runs=None)

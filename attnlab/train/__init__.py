@@ -96,6 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="scale-results: where unfinished scale runs are (shipped ones: --checkpoints)")
     parser.add_argument("--windows", type=int, default=512,
                         help="scale-results: held-out windows for the losses")
+    parser.add_argument("--include-unfinished", action="store_true",
+                        help="scale-results: also read unfinished runs (past step 0) at their latest "
+                             "checkpoints, for an interim reading (default: finished runs only)")
     parser.add_argument("--json", dest="json_out",
                         help="speed/multiview/results: also write the numbers here")
 
@@ -201,7 +204,8 @@ def run(args: argparse.Namespace) -> int:
 
             if args.windows < 1:
                 raise ValueError(f"--windows must be a positive integer, got {args.windows}")
-            res = build_scale_results(args.checkpoints, args.figures, args.runs, n_windows=args.windows)
+            res = build_scale_results(args.checkpoints, args.figures, args.runs, n_windows=args.windows,
+                                      include_unfinished=args.include_unfinished)
             _print_json(res, args.json_out)
             return 0
         if not args.out:

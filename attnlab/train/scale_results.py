@@ -6,7 +6,10 @@ loss of UNAS, DNAS and HNAS), for docs/RESULTS.md, section "(e) At scale".
                                           [--runs runs/hnas-scale] [--windows 512]
 
 Every model is read from its checkpoint folder (shipped ones under ``checkpoints/``, unfinished ones
-under ``--runs``, flagged "unfinished" with their step). What is computed:
+under ``--runs``). Only finished runs enter the numbers and figures: an unfinished run is listed with
+its step and ``"used": false`` (a run still at step 0 would count as a seed whose u is exactly 0.5), unless
+``--include-unfinished`` asks for an interim reading at their latest checkpoints (steps > 0 only).
+What is computed:
 
 - u per layer: each HNAS seed's mean over heads (L,), then per layer the mean over seeds with its 95 %
   t-interval (n - 1 degrees of freedom), and whether every seed's and the interval's lower end lie
@@ -219,9 +222,11 @@ def build_scale_results(
     figures: str | Path = "docs/figures",
     runs: str | Path | None = "runs/hnas-scale",
     n_windows: int = 512,
+    include_unfinished: bool = False,
 ) -> dict:
-    """Every number and figure of docs/RESULTS.md (e) (module docstring) from the scale runs found;
-    writes ``figures``/scale_{u,loss,column_mass}.png and scale_results.json and returns the numbers."""
+    """Every number and figure of docs/RESULTS.md (e) (module docstring) from the scale runs found
+    (finished ones; with ``include_unfinished`` also those past step 0); writes
+    ``figures``/scale_{u,loss,column_mass}.png and scale_results.json and returns the numbers."""
     import plotly.graph_objects as go
 
     from attnlab.data import load_corpus
@@ -234,12 +239,21 @@ def build_scale_results(
             f"no scale run ({', '.join(n for ns in SCALE_RUNS.values() for n in ns)}) "
             f"in {checkpoints}" + ("" if runs is None else f" or {runs}")
         )
+    used = {n: r for n, r in found.items() if r["finished"] or (include_unfinished and r["step"] > 0)}
+    if not used:
+        raise FileNotFoundError(
+            "no finished scale run yet ("
+            + ", ".join(f"{n} at step {r['step']} of {r['steps']}" for n, r in found.items())
+            + "); --include-unfinished reads runs past step 0 at their latest checkpoints"
+        )
     fig_dir = Path(figures)
     fig_dir.mkdir(parents=True, exist_ok=True)
     res: dict = {
-        "runs": {n: {k: (str(v) if k == "dir" else v) for k, v in r.items()} for n, r in found.items()},
+        "runs": {n: {**{k: (str(v) if k == "dir" else v) for k, v in r.items()}, "used": n in used}
+                 for n, r in found.items()},
         "figures": [],
     }
+    found = used
     hnas = {n: load(r["dir"]).hybrid_weights().numpy() for n, r in found.items() if r["variant"] == "hnas"}
     if hnas:
         res["u"] = u_per_layer(hnas)
