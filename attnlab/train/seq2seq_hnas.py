@@ -25,10 +25,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
 
 from attnlab.hf.beyond.lm_loss import Swap, swapped_layers
-from attnlab.hf.beyond.retrofit import hybrid_weight, lm_loss_sum, theta_for
+from attnlab.hf.beyond.retrofit import LearnedMix, hybrid_weight, lm_loss_sum
 from attnlab.train.retrofit import RetrofitObjective
 from attnlab.train.retrofit_config import HFRunConfig, Seq2SeqArch
 
@@ -38,7 +37,7 @@ __all__ = ["BASE_DIR", "EncoderHNAS", "Seq2SeqObjective", "build_tiny_bart", "lo
 BASE_DIR = "base-model"  # RUN/base-model: the random-init model a from-scratch run starts from
 
 
-class EncoderHNAS(nn.Module):
+class EncoderHNAS(LearnedMix):
     """An encoder-decoder LM (``loaded``: model with its LM head) whose encoder self-attention runs HNAS.
 
     ``theta`` (L_enc, H) learns; with ``train_rest`` the model's own parameters train too. The model is
@@ -58,25 +57,7 @@ class EncoderHNAS(nn.Module):
         self.blocks = list(net.get_encoder().layers)  # plain list: not registered twice
         self.pad_id = net.config.pad_token_id
         self.start_id = net.config.decoder_start_token_id
-        dtype = next(net.parameters()).dtype
-        self.theta = nn.Parameter(torch.full((info.n_layers, info.n_heads), theta_for(u0), dtype=dtype))
-        self.train_rest = bool(train_rest)
-        for p in net.parameters():
-            p.requires_grad_(self.train_rest)
-        net.eval()
-
-    def train(self, mode: bool = True):  # the wrapped model stays in eval mode (no dropout)
-        super().train(mode)
-        self.net.eval()
-        return self
-
-    def hybrid_weights(self) -> torch.Tensor:
-        """(L_enc, H) u = sigmoid(theta), detached, on the CPU."""
-        return hybrid_weight(self.theta.detach()).cpu()
-
-    def rest_parameters(self) -> dict[str, nn.Parameter]:
-        """The model's own parameters that train (empty unless ``train_rest``)."""
-        return {n: p for n, p in self.net.named_parameters() if p.requires_grad}
+        self._init_mix(info.n_layers, info.n_heads, u0, train_rest)  # theta (L_enc, H)
 
     def logits(self, input_ids: torch.Tensor, labels: torch.Tensor, u: torch.Tensor | None = None):
         """source input_ids (B, N), labels (B, M) (-100 = padding) -> logits (B, M, V): the decoder reads

@@ -26,7 +26,7 @@ from attnlab.hf.beyond.head_swaps import blocks_of
 from attnlab.hf.beyond.lm_loss import Swap, as_language_model, swapped_layers
 from attnlab.hf.load.loading import LoadedModel
 
-__all__ = ["IGNORE", "hybrid_weight", "theta_for", "lm_loss_sum", "masked_lm_head", "HNASRetrofit"]
+__all__ = ["IGNORE", "hybrid_weight", "theta_for", "lm_loss_sum", "masked_lm_head", "LearnedMix", "HNASRetrofit"]
 
 IGNORE = -100  # label of a token that is not scored (transformers' ignore_index)
 
@@ -74,25 +74,15 @@ def masked_lm_head(lm: nn.Module) -> nn.Module | None:
 # ----------------------------------------------------------------------------------------------
 
 
-class HNASRetrofit(nn.Module):
-    """A pretrained LM (``loaded``, with its LM head) whose every attention layer runs HNAS.
+class LearnedMix(nn.Module):
+    """What every HNAS wrapper of a Hugging Face model shares: ``theta`` (L, H) with u = sigmoid(theta)
+    (Eq. 12), the model's own parameters frozen unless ``train_rest``, and the model kept in eval mode
+    (no dropout: a step is a deterministic function of its batch). Subclasses set ``self.net`` first."""
 
-    ``theta`` (L, H) is the only trainable parameter unless ``train_rest`` (then the model's own
-    parameters train too). The model is kept in eval mode (no dropout): the retrofit asks which mix
-    the *pretrained* weights prefer, and a step is a deterministic function of its batch.
-    """
-
-    def __init__(self, loaded: LoadedModel, u0: float = 0.5, train_rest: bool = False):
-        super().__init__()
-        loaded = as_language_model(loaded)  # ValueError naming the supported heads when it has none
-        L, H = loaded.info.n_layers, loaded.info.n_heads
-        self.info, self.causal = loaded.info, loaded.info.causal
-        self.net = loaded.model  # (a submodule: .to(), state_dict() reach it)
-        self.blocks = blocks_of(self.net, L)  # plain list: not registered twice
+    def _init_mix(self, L: int, H: int, u0: float, train_rest: bool) -> None:
         dtype = next(self.net.parameters()).dtype
         self.theta = nn.Parameter(torch.full((L, H), theta_for(u0), dtype=dtype))  # (L, H)
         self.train_rest = bool(train_rest)
-        self.head = None if self.causal else masked_lm_head(self.net)  # logits at scored positions only
         for p in self.net.parameters():
             p.requires_grad_(self.train_rest)
         self.net.eval()
@@ -109,6 +99,25 @@ class HNASRetrofit(nn.Module):
     def rest_parameters(self) -> dict[str, nn.Parameter]:
         """The model's own parameters that train (empty unless ``train_rest``)."""
         return {n: p for n, p in self.net.named_parameters() if p.requires_grad}
+
+
+class HNASRetrofit(LearnedMix):
+    """A pretrained LM (``loaded``, with its LM head) whose every attention layer runs HNAS.
+
+    ``theta`` (L, H) is the only trainable parameter unless ``train_rest`` (then the model's own
+    parameters train too). The model is kept in eval mode (no dropout): the retrofit asks which mix
+    the *pretrained* weights prefer, and a step is a deterministic function of its batch.
+    """
+
+    def __init__(self, loaded: LoadedModel, u0: float = 0.5, train_rest: bool = False):
+        super().__init__()
+        loaded = as_language_model(loaded)  # ValueError naming the supported heads when it has none
+        L, H = loaded.info.n_layers, loaded.info.n_heads
+        self.info, self.causal = loaded.info, loaded.info.causal
+        self.net = loaded.model  # (a submodule: .to(), state_dict() reach it)
+        self.blocks = blocks_of(self.net, L)  # plain list: not registered twice
+        self.head = None if self.causal else masked_lm_head(self.net)  # logits at scored positions only
+        self._init_mix(L, H, u0, train_rest)
 
     def logits(self, input_ids: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids (B, N) -> logits (B, N, V) with HNAS at u (default sigmoid(theta), (L, H)) in every
