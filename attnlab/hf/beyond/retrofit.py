@@ -26,7 +26,8 @@ from attnlab.hf.beyond.head_swaps import blocks_of
 from attnlab.hf.beyond.lm_loss import Swap, as_language_model, swapped_layers
 from attnlab.hf.load.loading import LoadedModel
 
-__all__ = ["IGNORE", "hybrid_weight", "theta_for", "lm_loss_sum", "masked_lm_head", "LearnedMix", "HNASRetrofit"]
+__all__ = ["IGNORE", "hybrid_weight", "theta_for", "lm_loss_sum", "masked_lm_head", "LearnedMix",
+           "HNASRetrofit"]
 
 IGNORE = -100  # label of a token that is not scored (transformers' ignore_index)
 
