@@ -144,6 +144,31 @@ def test_head_weights_equal_the_reference(variant, monkeypatch):
         assert torch.allclose(tiles.head_weights(inputs, 0, h, variant, params), ref[h], atol=2e-6)
 
 
+
+@pytest.mark.parametrize("variant", ALL)
+@pytest.mark.parametrize("window", [None, 9])
+def test_head_block_is_the_heads_slice_bit_for_bit(variant, window, monkeypatch):
+    """tiles.head_block (the app's head view over a long text) equals head_weights' slice exactly, for
+    spans inside one tile, across tiles and at the ends, and never computes a tile below the span."""
+    monkeypatch.setattr(tiles, "TILE_BYTES", 1)  # the fewest rows a tile has (16)
+    N = 101
+    inputs = _layer(seed=3, N=N, window=window, softcap=5.0)
+    params = {variant: check_params(variant, {"u": 0.3}, causal=True)}
+    rows = tiles._tile_rows(inputs, 1, tiles._LIVE + 1)
+    assert N > 5 * rows  # several tiles
+    whole = tiles.head_weights(inputs, 0, 2, variant, params)
+    seen = []
+    logits = tiles.LayerInputs.logits
+    monkeypatch.setattr(tiles.LayerInputs, "logits",
+                        lambda self, heads, i0, *a: seen.append(i0) or logits(self, heads, i0, *a))
+    for lo, hi in ((0, N), (1, 3), (rows - 1, rows + 2), (rows + 1, 3 * rows + 3), (N - 7, N), (5, 5)):
+        seen.clear()
+        got = tiles.head_block(inputs, 0, 2, variant, params, lo, hi)
+        assert got.shape == (hi - lo, hi - lo) and torch.equal(got, whole[lo:hi, lo:hi]), (lo, hi)
+        if tiles.stream_rule(variant, params[variant], True) != "head":
+            assert all(i0 < max(hi, 1) for i0 in seen), (lo, hi, seen)
+
+
 def test_head_maps_compute_one_head_on_access_and_refuse_huge_materialization(monkeypatch):
     calls = []
 

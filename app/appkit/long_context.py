@@ -39,64 +39,16 @@ def _head(key: str, variant: str, layer: int, head: int, _view: WindowView):
 
 def span_block(weights, layer: int, head: int, lo: int, hi: int) -> np.ndarray:
     """(hi - lo, hi - lo) float32: one head's map over the tokens [lo, hi) (queries and keys), the
-    values of ``head_map(weights, layer, head)[lo:hi, lo:hi]``.
-
-    On a streamed window's HeadMaps only the tiles of query rows up to ``hi`` are computed, by the
-    tiles ``head_weights`` uses (attnlab/hf/compute/tiles.py, the same tile rows, so the same values);
-    a variant normalized by rows (unas, sparsemax, softmax1) computes only the tiles holding rows
-    [lo, hi), one normalized by columns (causal dnas, hnas, one-round Sinkhorn) the tiles above them
-    too (the prefix column potential carries from tile to tile). The head view's heads, 129 tokens
-    each, cost a tile or two per head instead of the head's whole (N, N) map. Anything else (arrays, a
-    variant streamed by whole heads): the whole head, sliced."""
+    values of ``head_map(weights, layer, head)[lo:hi, lo:hi]``. On a streamed window's HeadMaps, only
+    the tiles that hold the span (``attnlab.hf.compute.tiles.head_block``): the head view's heads cost
+    a tile or two each instead of the head's whole (N, N) map. Anything else (arrays, a head already
+    computed whole): the whole head, sliced."""
     window, variant = getattr(weights, "window", None), getattr(weights, "variant", None)
     if window is None or variant is None or getattr(weights, "_whole", None) is not None:
         return head_map(weights, layer, head)[lo:hi, lo:hi].copy()
     from attnlab.hf.compute import tiles
-    from attnlab.normalizers import functions as fn
-    from attnlab.normalizers import variant_spec
 
-    inner = ("stream_rule", "_tile_rows", "_LIVE", "_tiles", "_layer_u")  # (tiles.py's own: hf may change)
-    if not all(hasattr(tiles, name) for name in inner):
-        return head_map(weights, layer, head)[lo:hi, lo:hi].copy()
-    inputs, params = window.layers[layer], window.params
-    rule = tiles.stream_rule(variant, params[variant], inputs.causal)
-    if rule == "head":
-        return head_map(weights, layer, head)[lo:hi, lo:hi].copy()
-    normalizer = variant_spec(variant).normalizer
-    rows = tiles._tile_rows(inputs, 1, tiles._LIVE + 1)  # head_weights' tiles
-    out = np.zeros((hi - lo, hi - lo), np.float32)
-
-    def put(i0: int, i1: int, k0: int, k1: int, tile) -> None:  # tile (1, i1 - i0, k1 - k0)
-        r0, r1, c0, c1 = max(i0, lo), min(i1, hi), max(k0, lo), min(k1, hi)
-        if r1 > r0 and c1 > c0:
-            out[r0 - lo:r1 - lo, c0 - lo:c1 - lo] = tile[0, r0 - i0:r1 - i0, c0 - k0:c1 - k0].cpu().numpy()
-
-    one = slice(head, head + 1)
-    if rule == "row":  # each tile alone, as tiles._tiles computes a row rule's
-        n_q = inputs.query.shape[1]
-        for i0 in range(0, n_q, rows):
-            i1 = min(n_q, i0 + rows)
-            if i0 >= hi:
-                break
-            if i1 <= lo:
-                continue
-            k0, k1 = inputs.span(i0, i1)
-            if k1 > k0:
-                s = inputs.logits(one, i0, i1, k0, k1)
-                w = fn.row_softmax(s) if normalizer is fn.unas else normalizer(
-                    s, fn.NormalizerContext(causal=inputs.causal, params=dict(params[variant])))
-                put(i0, i1, k0, k1, w)
-        return out
-    u = None
-    if normalizer is fn.hnas:
-        u = tiles._layer_u(params[variant]["u"], layer, inputs.query.shape[0])[head:head + 1]
-        u = u.to(inputs.query.device)
-    for i0, i1, k0, k1, tile in tiles._tiles(inputs, one, [variant], {variant: rule}, params, u, rows):
-        if k1 > k0 and i1 > lo:
-            put(i0, i1, k0, k1, tile[variant])
-        if i1 >= hi:  # the tiles below the span are never computed
-            break
-    return out
+    return tiles.head_block(window.layers[layer], layer, head, variant, window.params, lo, hi).cpu().numpy()
 
 
 class _OneHead:

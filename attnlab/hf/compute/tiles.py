@@ -33,7 +33,7 @@ import torch
 from attnlab.normalizers import attention_weights, variant_spec
 from attnlab.normalizers import functions as fn
 
-__all__ = ["TILE_BYTES", "LayerInputs", "Tile", "stream_rule", "visit_tiles", "head_weights"]
+__all__ = ["TILE_BYTES", "LayerInputs", "Tile", "stream_rule", "visit_tiles", "head_weights", "head_block"]
 
 # Bytes of all live (R, T, keys) buffers of one tile together (scores, each variant's rows, the
 # statistics' scratch): 96 MiB keeps a 12-head, 8,192-token layer's tile at >= 64 rows.
@@ -291,4 +291,48 @@ def head_weights(inputs: LayerInputs, layer: int, h: int, variant: str,
     for i0, i1, lo, hi, tile in _tiles(inputs, slice(h, h + 1), [variant], {variant: rule}, params, u, rows):
         if hi > lo:
             out[i0:i1, lo:hi] = tile[variant][0]
+    return out
+
+
+def head_block(inputs: LayerInputs, layer: int, h: int, variant: str, params: Mapping[str, Mapping[str, Any]],
+               lo: int, hi: int) -> torch.Tensor:
+    """(hi - lo, hi - lo) float32: ``head_weights(...)[lo:hi, lo:hi]`` (queries and keys [lo, hi)), bit for
+    bit, from the tiles that hold it. A variant normalized by rows (unas, sparsemax, softmax1) computes
+    only the tiles of rows [lo, hi); one normalized by columns (causal dnas, hnas, one-round Sinkhorn)
+    the tiles above them too (its prefix column potential carries from tile to tile), never those
+    below. A variant streamed by whole heads is computed whole and sliced. The app's head view over a
+    long text (129 tokens around the focus) costs a tile or two per head instead of an (N, N) map."""
+    rule = stream_rule(variant, params[variant], inputs.causal)
+    if rule == "head":
+        return head_weights(inputs, layer, h, variant, params)[lo:hi, lo:hi].clone()
+    normalizer = variant_spec(variant).normalizer
+    rows = _tile_rows(inputs, 1, _LIVE + 1)  # head_weights' tiles: the same rows, the same values
+    out = torch.zeros(hi - lo, hi - lo, device=inputs.query.device)
+
+    def put(i0: int, i1: int, k0: int, k1: int, tile: torch.Tensor) -> None:  # tile (1, i1 - i0, k1 - k0)
+        r0, r1, c0, c1 = max(i0, lo), min(i1, hi), max(k0, lo), min(k1, hi)
+        if r1 > r0 and c1 > c0:
+            out[r0 - lo:r1 - lo, c0 - lo:c1 - lo] = tile[0, r0 - i0:r1 - i0, c0 - k0:c1 - k0]
+
+    one = slice(h, h + 1)
+    if rule == "row":  # each tile alone, as _tiles computes a row rule's
+        for i0 in range(0, inputs.query.shape[1], rows):
+            i1 = min(inputs.query.shape[1], i0 + rows)
+            if i0 >= hi:
+                break
+            k0, k1 = inputs.span(i0, i1)
+            if i1 > lo and k1 > k0:
+                s = inputs.logits(one, i0, i1, k0, k1)
+                w = fn.row_softmax(s) if normalizer is fn.unas else normalizer(
+                    s, fn.NormalizerContext(causal=inputs.causal, params=dict(params[variant])))
+                put(i0, i1, k0, k1, w)
+        return out
+    u = None
+    if normalizer is fn.hnas:
+        u = _layer_u(params[variant]["u"], layer, inputs.query.shape[0])[h:h + 1].to(out.device)
+    for i0, i1, k0, k1, tile in _tiles(inputs, one, [variant], {variant: rule}, params, u, rows):
+        if k1 > k0 and i1 > lo:
+            put(i0, i1, k0, k1, tile[variant])
+        if i1 >= hi:  # the tiles below the span are never computed
+            break
     return out
