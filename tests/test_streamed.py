@@ -221,6 +221,26 @@ def test_analyze_on_causal_models_streams_and_matches_the_materialized_table(arc
     assert bool((diff.fillna(0) <= 1e-4).all()), both[diff > 1e-4].head()
 
 
+def test_a_streamed_windows_column_masses_come_from_its_row_sums(tiny_model_dir, english_text, monkeypatch):
+    """After an analysis with statistics, the streamed window's column_masses() (what the app's
+    Explaining away and NaN note read) are the analysis' row sums: no second pass over the tiles, and
+    the values of the weights' own column sums."""
+    from attnlab import hf
+
+    loaded = hf.load_model(tiny_model_dir("llama"))
+    win = hf.analyze(english_text[:300], loaded, variants=("unas", "dnas", "sparsemax"), u=0.3).windows[0]
+    window = win.weights["unas"].window
+    passes = []
+    monkeypatch.setattr(streamed, "stream_sums", lambda *a, **k: passes.append(1))
+    masses = window.column_masses()
+    assert passes == []
+    for v, m in masses.items():
+        L, H, N = m.shape
+        want = torch.stack([torch.stack([win.weights[v][layer, h].sum(0) for h in range(H)])
+                            for layer in range(L)])
+        assert torch.allclose(m, want, atol=1e-5), v
+
+
 @pytest.mark.parametrize("arch", ["mistral", "gemma2"])
 def test_sliding_window_and_softcap_models_equal_eager_attention(arch, tiny_model_dir, english_text):
     """Mistral's sliding window and Gemma 2's softcap with alternating sliding/global layers: the

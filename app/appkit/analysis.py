@@ -287,7 +287,7 @@ def _window(
     streamed = long and any(isinstance(w, HeadMaps) for w in dict.values(result.weights))
     behind = _streamed_window(result)  # its layers' masks: the sink views' counts, no second forward
     counts = behind.counts() if model.info.causal and behind is not None else None
-    masses = _forward_masses(result, behind) if sums and streamed else None
+    masses = _forward_masses(result) if sums and streamed else None
     return WindowView(
         s,
         model.info,
@@ -333,15 +333,11 @@ def _streamed_window(result):
     return w.window if isinstance(w, HeadMaps) and w.window is not None else None
 
 
-def _forward_masses(result, window) -> dict[str, torch.Tensor]:
-    """{variant: (L, H, N)} column masses from the capture forward's row sums, also put in the streamed
-    window's own cache, so that its ``column_masses()`` (Explaining away, the NaN note) reads them
-    instead of another pass over the tiles: the same kernel sums, the same values."""
-    masses = result.column_masses()
-    cache = getattr(window, "_sinks", None)  # StreamedWindow.column_masses()' cache, entry "cols"
-    if isinstance(cache, dict):
-        cache.setdefault("cols", dict(masses))
-    return masses
+def _forward_masses(result) -> dict[str, torch.Tensor]:
+    """{variant: (L, H, N)} column masses from the capture forward's row sums. The streamed window
+    behind them holds the same sums (attnlab/hf/compute/streamed.py, streamed_analysis), so its
+    ``column_masses()`` (Explaining away, the NaN note) reads them instead of another pass over the tiles."""
+    return result.column_masses()
 
 
 class _NumpyWeights(Mapping):

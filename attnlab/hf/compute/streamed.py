@@ -267,6 +267,9 @@ def streamed_analysis(captured, variants, params, specials, hook=None):
     done = hook.done if isinstance(hook, CausalLayerwise) else ()
     sums = None if specials is None else stream_sums(
         window.layers, variants, params, specials, out=hook.out if done else None, done=done)
+    if sums is not None:  # the column masses are among the row sums: column_masses() needs no second pass
+        L, H, _, N = window.shape
+        window._sinks["cols"] = {v: s["cols"].reshape(L, H, N).cpu().clone() for v, s in sums.items()}
 
     def head(variant):
         return lambda layer, h: window.head(variant, layer, h)
