@@ -287,7 +287,8 @@ def _window(
     streamed = long and any(isinstance(w, HeadMaps) for w in dict.values(result.weights))
     behind = _streamed_window(result)  # its layers' masks: the sink views' counts, no second forward
     counts = behind.counts() if model.info.causal and behind is not None else None
-    masses = _forward_masses(result) if sums and streamed else None
+    # the capture forward's row sums (the streamed window holds the same: no second pass over the tiles)
+    masses = result.column_masses() if sums and streamed else None
     return WindowView(
         s,
         model.info,
@@ -331,13 +332,6 @@ def _streamed_window(result):
     """The StreamedWindow behind a window's HeadMaps (attnlab/hf/compute/streamed.py), or None."""
     w = next(iter(dict.values(result.weights)), None)  # (computes no lazy variant)
     return w.window if isinstance(w, HeadMaps) and w.window is not None else None
-
-
-def _forward_masses(result) -> dict[str, torch.Tensor]:
-    """{variant: (L, H, N)} column masses from the capture forward's row sums. The streamed window
-    behind them holds the same sums (attnlab/hf/compute/streamed.py, streamed_analysis), so its
-    ``column_masses()`` (Explaining away, the NaN note) reads them instead of another pass over the tiles."""
-    return result.column_masses()
 
 
 class _NumpyWeights(Mapping):
