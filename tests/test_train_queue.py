@@ -91,5 +91,7 @@ def test_queue_runs_in_order_ships_and_skips_what_is_done(tmp_path):
 
 
 def test_unknown_verb_is_refused_with_the_usage(tmp_path):
-    done = subprocess.run(["bash", str(_queue(tmp_path)), "restart"], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and "usage: bash" in done.stderr and "start|status|stop|ship|report" in done.stderr
+    done = subprocess.run(["bash", str(_queue(tmp_path)), "restart"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and "usage: bash" in done.stderr
+    assert "start|status|stop|ship|report" in done.stderr
