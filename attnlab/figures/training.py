@@ -10,6 +10,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from attnlab.figures.bundle import FigureBundle, long_table
+from attnlab.stats.intervals import t_half_width
 
 __all__ = ["hybrid_weight_curves", "hybrid_weight_heatmap", "seed_band", "training_curves"]
 
@@ -138,8 +139,6 @@ def seed_band(per_seed: Mapping[str, Sequence[Mapping]], *, title: str | None = 
 
     per_seed: {run name: its metrics.jsonl records}, at least two runs of one (L, H). The table holds
     one row per (step, layer): mean, ci_low, ci_high and n_seeds."""
-    from scipy import stats
-
     if len(per_seed) < 2:
         raise ValueError(f"per_seed must hold at least two runs, got {len(per_seed)}")
     histories = {name: _u_history(recs) for name, recs in per_seed.items()}
@@ -151,7 +150,7 @@ def seed_band(per_seed: Mapping[str, Sequence[Mapping]], *, title: str | None = 
                         for s, u in histories.values()])  # (R, T, L)
     R = layer_u.shape[0]
     mean = layer_u.mean(0)  # (T, L)
-    half = stats.t.ppf(0.975, R - 1) * layer_u.std(0, ddof=1) / np.sqrt(R)  # (T, L)
+    half = t_half_width(layer_u, axis=0)  # (T, L): the 95 % t-interval over the R runs
     lo, hi = mean - half, mean + half
     steps = np.array(common)
     fig = go.Figure()

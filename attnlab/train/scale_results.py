@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from attnlab.stats.intervals import t_half_width
 from attnlab.train.results import _mass_stats, _write, column_mass_distribution
 
 __all__ = [
@@ -58,15 +59,13 @@ BOOTSTRAP = 2000  # resamples of the bootstrap intervals (seeded)
 
 def t_interval(values: Sequence[float], level: float = 0.95) -> dict:
     """{"mean", "low", "high", "n"}: the mean of ``values`` with its t-interval (NaN bounds for n < 2)."""
-    from scipy import stats
-
     x = np.asarray(values, dtype=np.float64)
     if x.ndim != 1 or len(x) == 0:
         raise ValueError(f"values must be a non-empty 1-D sequence, got shape {x.shape}")
     mean = float(x.mean())
     if len(x) < 2:
         return {"mean": mean, "low": float("nan"), "high": float("nan"), "n": 1}
-    half = float(stats.t.ppf(0.5 + level / 2, len(x) - 1) * x.std(ddof=1) / np.sqrt(len(x)))
+    half = float(t_half_width(x, level=level))
     return {"mean": mean, "low": mean - half, "high": mean + half, "n": len(x)}
 
 
