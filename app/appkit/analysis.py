@@ -285,7 +285,7 @@ def _window(
     used = plan.u if isinstance(plan.u, float) else plan.u.numpy()
     long = len(result.tokens) > LONG_CONTEXT  # a long context's streamed weights stay per head on access
     streamed = long and any(isinstance(w, HeadMaps) for w in dict.values(result.weights))
-    behind = _streamed_window(result)  # its layers' masks: the sink views' counts, no second forward
+    behind = result.streamed_window()  # its layers' masks: the sink views' counts, no second forward
     counts = behind.counts() if model.info.causal and behind is not None else None
     # the capture forward's row sums (the streamed window holds the same: no second pass over the tiles)
     masses = result.column_masses() if sums and streamed else None
@@ -326,12 +326,6 @@ def _sums_come_free(plan, index: int) -> bool:
         return False
     slots = causal_kernel.kernel_slots(plan.variants, {}, True)
     return causal_kernel.causal_kernel() is not None and set(slots) == set(plan.variants)
-
-
-def _streamed_window(result):
-    """The StreamedWindow behind a window's HeadMaps (attnlab/hf/compute/streamed.py), or None."""
-    w = next(iter(dict.values(result.weights)), None)  # (computes no lazy variant)
-    return w.window if isinstance(w, HeadMaps) and w.window is not None else None
 
 
 class _NumpyWeights(Mapping):

@@ -125,13 +125,15 @@ class WindowResult:
             sums, _, fingerprint = self._sums
             if list(sums) == list(self.weights) and fingerprint == _fingerprint(self.weights):
                 return {v: s.cols.reshape(s.shape[0], s.shape[1], -1) for v, s in sums.items()}
-        window = self._streamed_window()
+        window = self.streamed_window()
         if window is not None:  # streamed: one more pass over the tiles, no weights held
             return window.column_masses()
         return {v: w.sum(-2) for v, w in self.weights.items()}
 
-    def _streamed_window(self):
-        """The streamed window behind every variant's weights (attnlab/hf/compute/streamed.py), or None."""
+    def streamed_window(self):
+        """The StreamedWindow behind every variant's weights (attnlab/hf/compute/streamed.py: a long causal
+        window's layers, masks and row sums, e.g. ``.counts()`` (L, N), the queries that may attend each
+        key), or None when the weights are held whole. Computes no lazy variant."""
         held = list(lazy_weights.stored(self.weights))  # (computing no lazy variant)
         found = {id(getattr(w, "window", None)) for w in held
                  if getattr(w, "streamed_window", False)}
@@ -148,7 +150,7 @@ class WindowResult:
         from attnlab.sinks import importance_from_masses, queries_per_key
 
         masses = self.column_masses() if masses is None else masses  # given: the caller's, already taken
-        window = self._streamed_window()
+        window = self.streamed_window()
         first = next(iter(masses.values()))
         L, H, N = first.shape
         if window is not None:  # the layers' own masks and windows
