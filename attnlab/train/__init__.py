@@ -9,6 +9,7 @@
     attnlab train list                                           # shipped recipes
     attnlab train --recipe retrofit-hnas --model DIR --out runs/r  # HNAS u on a pretrained model
     attnlab train --recipe mlm-head --out runs/minilm-mlm         # MiniLM's masked-LM head (RUN/model)
+    attnlab train --recipe causal-lm --out runs/gpt2-kjv          # a GPT-2 from scratch (RUN/model)
 
 Python::
 

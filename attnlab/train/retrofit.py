@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from attnlab.stats.intervals import t_half_width
 from attnlab.train.checkpoint import CheckpointError, read_latest
 from attnlab.train.hf_trainer import HFTrainResult, read_step, train_objective
 from attnlab.train.retrofit_config import HFRunConfig
@@ -73,20 +74,23 @@ class RetrofitObjective:
 
 def train_hf(config: HFRunConfig, run_dir, *, resume: bool = False, device: str | None = None,
              progress: bool = True, text: str | None = None, stop_after: int | None = None) -> HFTrainResult:
-    """Train a ``retrofit-hnas`` or ``mlm-head`` configuration into ``run_dir``; ``base.model`` is the
-    model directory (None: the embedded MiniLM). ValueError naming ``--model`` when the model has no LM
+    """Train a ``retrofit-hnas``, ``mlm-head``, ``s2s-hnas`` or ``causal-lm`` configuration into
+    ``run_dir``; ``base.model`` is the model directory (None: the embedded MiniLM; s2s-hnas and causal-lm
+    build theirs from ``arch``). ValueError naming ``--model`` when the model has no LM
     head (retrofit) or is not a masked LM (mlm-head)."""
     from attnlab.hf.load.loading import load_language_model, load_model
     from attnlab.hf.load.model_info import resolve_device
 
     dev = resolve_device(device or "auto", "--device")
-    if config.kind == "s2s-hnas":  # HNAS in an encoder-decoder's encoder (attnlab.train.seq2seq_hnas)
+    if config.kind in ("s2s-hnas", "causal-lm"):  # a model of their own (arch): seq2seq_hnas, causal_lm
         from attnlab.data import load_corpus
+        from attnlab.train.causal_lm import causal_lm_objective
         from attnlab.train.seq2seq_hnas import seq2seq_objective
 
         if text is None:
             text = load_corpus(config.data.corpus, config.data.max_chars)
-        objective = seq2seq_objective(config, run_dir, resume, dev, text)
+        make = seq2seq_objective if config.kind == "s2s-hnas" else causal_lm_objective
+        objective = make(config, run_dir, resume, dev, text)
         return train_objective(config, objective, objective.tokenizer, run_dir, resume=resume,
                                device=str(dev), progress=progress, text=text, stop_after=stop_after)
     model_dir = config.base.model
@@ -190,8 +194,6 @@ def u_by_layer(run_dirs) -> list[dict]:
 
     -> [{"layer", "mean", "ci_low", "ci_high", "runs": [u of each run], "step": [step of each run]}]
     """
-    from scipy import stats
-
     per_run = [retrofit_hybrid_weights(d) for d in run_dirs]  # [((L, H), step)]
     if not per_run:
         raise ValueError("run_dirs must name at least one retrofit run, got none")
@@ -202,7 +204,7 @@ def u_by_layer(run_dirs) -> list[dict]:
     layer_u = torch.stack([u.mean(-1) for u, _ in per_run])  # (R, L)
     R = layer_u.shape[0]
     mean = layer_u.mean(0)
-    half = (stats.t.ppf(0.975, R - 1) * layer_u.std(0, unbiased=True) / R**0.5) if R > 1 else None
+    half = t_half_width(layer_u.numpy(), axis=0) if R > 1 else None  # (L,): the 95 % t-interval
     return [{"layer": la, "mean": float(mean[la]),
              "ci_low": None if half is None else float(mean[la] - half[la]),
              "ci_high": None if half is None else float(mean[la] + half[la]),

@@ -1,12 +1,15 @@
 """Configuration of the recipes that train a Hugging Face model through attnlab's swap: ``retrofit-hnas``
 (learn HNAS's u per layer and head, the model frozen), ``mlm-head`` (learn a masked-LM head, the encoder
-frozen) and ``s2s-hnas`` (HNAS in the *encoder's* self-attention of an encoder-decoder, the paper's
-summarization setting; a tiny BART built from ``arch`` and trained from scratch, or ``base.model``).
+frozen), ``s2s-hnas`` (HNAS in the *encoder's* self-attention of an encoder-decoder, the paper's
+summarization setting; a tiny BART built from ``arch`` and trained from scratch, or ``base.model``) and
+``causal-lm`` (a small GPT-2 built from ``arch`` and trained from scratch with its own softmax attention:
+a local causal LM for the retrofit; attnlab.train.causal_lm).
 A recipe file (``attnlab/recipes/retrofit-hnas.json``) and ``--config FILE.json`` share one format::
 
     {"name": "retrofit-hnas", "kind": "retrofit-hnas", "description": "...",
      "base":  {BaseConfig fields: the model directory, u0, train_rest, rest_lr},
-     "arch":  {Seq2SeqArch fields} (s2s-hnas with base.model null only; else null or absent),
+     "arch":  {Seq2SeqArch fields} (s2s-hnas with base.model null), {CausalLMArch fields} (causal-lm);
+              else null or absent,
      "data":  {HFDataConfig fields: corpus, max_chars, seq_len, mask_rate, target_len},
      "train": {attnlab.train.config.TrainConfig fields}}
 
@@ -19,11 +22,13 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from attnlab.train.causal_lm import CausalLMArch
 from attnlab.train.config import TrainConfig, _check, _from_dict, _is_int, section_differences
 
-__all__ = ["HF_KINDS", "BaseConfig", "Seq2SeqArch", "HFDataConfig", "HFRunConfig"]
+__all__ = ["HF_KINDS", "ARCH_KINDS", "BaseConfig", "Seq2SeqArch", "CausalLMArch", "HFDataConfig",
+           "HFRunConfig"]
 
-HF_KINDS = ("retrofit-hnas", "mlm-head", "s2s-hnas")  # recipe kinds that train a Hugging Face model
+HF_KINDS = ("retrofit-hnas", "mlm-head", "s2s-hnas", "causal-lm")  # recipe kinds that train a HF model
 
 
 @dataclass
@@ -94,13 +99,16 @@ class Seq2SeqArch:
                              f"got {self.d_model}")
 
 
+ARCH_KINDS = {"s2s-hnas": Seq2SeqArch, "causal-lm": CausalLMArch}  # kinds that build a model from arch
+
+
 @dataclass
 class HFRunConfig:
     name: str = "retrofit-hnas"
     kind: str = "retrofit-hnas"  # one of HF_KINDS
     description: str = ""
     base: BaseConfig = field(default_factory=BaseConfig)
-    arch: Seq2SeqArch | None = None  # s2s-hnas from scratch (base.model null): the model to build
+    arch: Seq2SeqArch | CausalLMArch | None = None  # s2s-hnas / causal-lm from scratch: the model to build
     data: HFDataConfig = field(default_factory=HFDataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
@@ -109,8 +117,8 @@ class HFRunConfig:
             raise ValueError(f"kind must be one of {list(HF_KINDS)}, got {self.kind!r}")
         if isinstance(self.base, dict):
             self.base = _from_dict(BaseConfig, self.base, "base")
-        if isinstance(self.arch, dict):
-            self.arch = _from_dict(Seq2SeqArch, self.arch, "arch")
+        if isinstance(self.arch, dict) and self.kind in ARCH_KINDS:
+            self.arch = _from_dict(ARCH_KINDS[self.kind], self.arch, "arch")
         if isinstance(self.data, dict):
             self.data = _from_dict(HFDataConfig, self.data, "data")
         if isinstance(self.train, dict):
@@ -118,9 +126,17 @@ class HFRunConfig:
         if self.kind == "mlm-head" and self.base.train_rest:
             raise ValueError("base.train_rest must be false for kind 'mlm-head' (the encoder stays frozen), "
                              "got true")
-        if self.kind != "s2s-hnas" and self.arch is not None:
-            raise ValueError(f"arch is for kind 's2s-hnas' (a model built from scratch), got an arch section "
-                             f"with kind {self.kind!r}")
+        if self.kind not in ARCH_KINDS and self.arch is not None:
+            raise ValueError(f"arch is for kind 's2s-hnas' or 'causal-lm' (a model built from scratch), "
+                             f"got an arch section with kind {self.kind!r}")
+        if self.kind == "causal-lm":
+            if self.base.model is not None:
+                raise ValueError("base.model must be null for kind 'causal-lm' (it builds its model from "
+                                 "arch and trains it from scratch; --model is for retrofit-hnas), got "
+                                 f"{self.base.model!r}")
+            if self.arch is None:
+                raise ValueError("kind 'causal-lm' needs an arch section (the GPT-2 to build: n_layer, "
+                                 "n_embd, n_head, n_inner, vocab_size); got none")
         if self.kind == "s2s-hnas" and self.base.model is None:
             if self.arch is None:
                 raise ValueError("kind 's2s-hnas' needs base.model (an encoder-decoder directory) or an arch "

@@ -31,8 +31,8 @@ from attnlab.hf.beyond.retrofit import LearnedMix, hybrid_weight, lm_loss_sum
 from attnlab.train.retrofit import RetrofitObjective
 from attnlab.train.retrofit_config import HFRunConfig, Seq2SeqArch
 
-__all__ = ["BASE_DIR", "EncoderHNAS", "Seq2SeqObjective", "build_tiny_bart", "load_seq2seq_lm",
-           "seq2seq_objective", "u_report"]
+__all__ = ["BASE_DIR", "EncoderHNAS", "Seq2SeqObjective", "build_tiny_bart", "corpus_tokenizer",
+           "load_seq2seq_lm", "seq2seq_objective", "u_report"]
 
 BASE_DIR = "base-model"  # RUN/base-model: the random-init model a from-scratch run starts from
 
@@ -101,21 +101,31 @@ class Seq2SeqObjective(RetrofitObjective):
             {"u": self.hybrid_weights(), "applies_to": "encoder self-attention (decoder: softmax)"}) + "\n")
 
 
-def build_tiny_bart(arch: Seq2SeqArch, corpus: str, directory: str | os.PathLike, *, max_len: int,
-                    seed: int) -> Path:
-    """A random-init BART (``arch``, dropout 0, weights drawn from ``seed``) with a BERT WordPiece
-    tokenizer restricted to ``corpus`` (``arch.vocab_size`` pieces), saved with save_pretrained."""
-    from transformers import BartConfig, BartForConditionalGeneration, BertTokenizerFast
+def corpus_tokenizer(corpus: str, vocab_size: int, max_len: int):
+    """The scale runs' tokenizer rule as a ``BertTokenizerFast``: the MiniLM uncased WordPiece vocabulary
+    restricted to the ``vocab_size`` pieces ``corpus`` uses most (:func:`attnlab.data.build_tokenizer`);
+    ``[PAD] [UNK] [CLS] [SEP] [MASK]`` = ids 0-4. Shared by the from-scratch recipes (s2s-hnas, causal-lm)."""
+    from transformers import BertTokenizerFast
 
     from attnlab.data import build_tokenizer
 
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    pieces = build_tokenizer("wordpiece", corpus, arch.vocab_size).vocab  # ids 0-4: the specials
+    pieces = build_tokenizer("wordpiece", corpus, vocab_size).vocab  # ids 0-4: the specials
     tokenizer = BertTokenizerFast(vocab={t: i for i, t in enumerate(pieces)}, do_lower_case=True,
                                   model_max_length=max_len)
     if len(tokenizer) != len(pieces):
         raise ValueError(f"the tokenizer kept {len(tokenizer)} of the {len(pieces)} vocabulary pieces")
+    return tokenizer
+
+
+def build_tiny_bart(arch: Seq2SeqArch, corpus: str, directory: str | os.PathLike, *, max_len: int,
+                    seed: int) -> Path:
+    """A random-init BART (``arch``, dropout 0, weights drawn from ``seed``) with a BERT WordPiece
+    tokenizer restricted to ``corpus`` (``arch.vocab_size`` pieces), saved with save_pretrained."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = corpus_tokenizer(corpus, arch.vocab_size, max_len)
     config = BartConfig(
         vocab_size=len(tokenizer), d_model=arch.d_model, encoder_layers=arch.encoder_layers,
         decoder_layers=arch.decoder_layers, encoder_attention_heads=arch.heads,
