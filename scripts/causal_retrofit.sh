@@ -2,7 +2,7 @@
 # The paper's Fig. 4 question on a local causal LM (issue 28 item 3; docs/RETROFIT.md, "A local causal
 # LM to retrofit"): recipe causal-lm (a small GPT-2 trained from scratch with its own softmax attention)
 # into runs/causal-retrofit/gpt2-kjv, then the HNAS retrofit of its model/ with seeds 0, 1, 2
-# (scripts/causal-retrofit-hnas.json: retrofit-hnas with 200 steps on kjv+shakespeare), one run at a time.
+# (the shipped retrofit-hnas recipe with --steps 200, the MiniLM retrofit's length), one run at a time.
 #
 #   bash scripts/causal_retrofit.sh           start, or resume, the unfinished runs in the background and return
 #   bash scripts/causal_retrofit.sh status    step, tokens/s, time left, held-out loss (and u per layer) of each run
@@ -33,7 +33,7 @@ THREADS=1
 CORPUS=${CAUSAL_RETROFIT_CORPUS:+--corpus $CAUSAL_RETROFIT_CORPUS}
 RUNS=("gpt2-kjv causal-lm 0 $CORPUS")  # name, recipe, seed, more train arguments
 for seed in 0 1 2; do  # --model names the LM's directory: the scheduler starts these after it
-  RUNS+=("hnas-s$seed scripts/causal-retrofit-hnas.json $seed --model $ROOT/gpt2-kjv/model $CORPUS")
+  RUNS+=("hnas-s$seed retrofit-hnas $seed --model $ROOT/gpt2-kjv/model --steps 200 ${CORPUS:---corpus kjv+shakespeare}")
 done
 REPORT="bash $SELF _report"
 

@@ -4,7 +4,8 @@
 #
 #   QUEUE      the queue's name, for messages and usage (e.g. hnas_scale)
 #   ROOT       its directory: runs ROOT/<name>, logs ROOT/logs/<name>.log, pid files ROOT/.state/
-#   RUNS       one "name recipe seed [more train arguments]" per run, in the order they start
+#   RUNS       one "name recipe seed [more train arguments]" per run, in the order they start; a run's
+#              own `--steps N` is its target (STEPS, when set, still overrides every run)
 #   JOBS       runs at a time (1)          STEPS   train (or extend) every run to this many steps ('')
 #   SHIP       where `ship` copies finished runs (checkpoints)
 #   THREADS    CPU threads per trainer (1): more give a different float summation order, so the same
@@ -60,6 +61,23 @@ except (OSError, ValueError, KeyError):
     print(-1)' "$1"
 }
 
+run_target() {  # run_target NAME: STEPS, else the run's own --steps, else its recipe's train.steps
+  local spec n r seed rest args i
+  for spec in "${RUNS[@]}"; do
+    read -r n r seed rest <<<"$spec"
+    [ "$n" = "$1" ] || continue
+    if [ -n "$STEPS" ]; then echo "$STEPS"; return; fi
+    read -ra args <<<"${rest:-}"
+    for ((i = 0; i + 1 < ${#args[@]}; i++)); do
+      if [ "${args[$i]}" = --steps ]; then echo "${args[$((i + 1))]}"; return; fi
+    done
+    target_steps "$r"
+    return
+  done
+  echo "$QUEUE: no run named $1" >&2
+  return 2
+}
+
 done_step() {  # done_step NAME: the larger of its run's and its shipped copy's step, or -1
   local a b
   a=$(latest_step "$ROOT/$1"); b=$(latest_step "$SHIP/$1")
@@ -104,7 +122,7 @@ scheduler() {
   for spec in "${RUNS[@]}"; do
     read -r name recipe seed rest <<<"$spec"
     read -ra rest <<<"${rest:-}"
-    if [ "$(done_step "$name")" -ge "$(target_steps "$recipe")" ]; then
+    if [ "$(done_step "$name")" -ge "$(run_target "$name")" ]; then
       say "$name: finished (step $(done_step "$name")); skipped"
       continue
     fi
@@ -113,7 +131,7 @@ scheduler() {
         say "$name: waits for $dep"
         wait "${started[$dep]}" || true
       fi
-      if [ "$(done_step "$dep")" -lt "$(target_steps "$(recipe_of "$dep")")" ]; then
+      if [ "$(done_step "$dep")" -lt "$(run_target "$dep")" ]; then
         say "$name: not started: $dep did not finish"
         continue 2
       fi
@@ -128,14 +146,6 @@ scheduler() {
   rm -f "$STATE/scheduler.pid"
 }
 
-recipe_of() {  # recipe_of NAME
-  local spec n r
-  for spec in "${RUNS[@]}"; do
-    read -r n r _ <<<"$spec"
-    [ "$n" = "$1" ] && echo "$r" && return
-  done
-}
-
 status() {
   local spec name recipe dir state
   for spec in "${RUNS[@]}"; do
@@ -145,7 +155,7 @@ status() {
     [ -f "$dir/recipe.json" ] && state="stopped"
     if [ ! -f "$dir/recipe.json" ] && [ -f "$SHIP/$name/latest.json" ]; then dir="$SHIP/$name"; state="shipped"; fi
     alive "$STATE/$name.pid" && state="running (pid $(cat "$STATE/$name.pid"))"
-    "$PY" - "$dir" "$(target_steps "$recipe")" "$state" "$name" <<'EOF'
+    "$PY" - "$dir" "$(run_target "$name")" "$state" "$name" <<'EOF'
 import json, sys
 from pathlib import Path
 from attnlab.train import read_metrics
@@ -198,7 +208,7 @@ ship() {
       say "$name: already shipped (step $(latest_step "$SHIP/$name")); left as it is"
       continue
     fi
-    if [ "$step" -lt "$(target_steps "$recipe")" ] || alive "$STATE/$name.pid"; then
+    if [ "$step" -lt "$(run_target "$name")" ] || alive "$STATE/$name.pid"; then
       say "$name: not finished (step $step); not shipped"
       continue
     fi

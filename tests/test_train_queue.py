@@ -21,7 +21,8 @@ pytestmark = pytest.mark.slow  # trains two tiny models in subprocesses (~20 s)
 
 
 def _queue(tmp: Path) -> Path:
-    """A queue of two 2-step runs of the enc-unas recipe on a small corpus; b names a's directory."""
+    """A queue of two runs of the enc-unas recipe on a small corpus, 2 and 3 steps (each its own
+    --steps); b names a's directory."""
     root, ship = tmp / "root", tmp / "ship"
     root.mkdir()
     (root / "corpus.txt").write_text(CORPUS)
@@ -35,9 +36,8 @@ source scripts/env.sh
 QUEUE=testq
 ROOT="{root}"
 JOBS=2
-STEPS=2
 SHIP="{ship}"
-RUNS=("a enc-unas 0 --corpus {root}/corpus.txt" "b enc-unas 1 --corpus {root}/a/../corpus.txt")
+RUNS=("a enc-unas 0 --corpus {root}/corpus.txt --steps 2" "b enc-unas 1 --corpus {root}/a/../corpus.txt --steps 3")
 REPORT="echo report:"
 source scripts/train_queue.sh
 queue_main "$@"; exit $?
@@ -67,12 +67,13 @@ def test_queue_runs_in_order_ships_and_skips_what_is_done(tmp_path):
     log = (root / "logs" / "scheduler.log").read_text()
     # b named a's directory: it started only after a's trainer ended, although JOBS = 2
     assert log.index("a: trainer exited with status 0") < log.index("b: start at step -1")
-    for name in ("a", "b"):
-        assert json.loads((root / name / "latest.json").read_text())["step"] == 2
+    for name, steps in (("a", 2), ("b", 3)):  # each run's own --steps is its target
+        assert json.loads((root / name / "latest.json").read_text())["step"] == steps
     status = _run(script, "status")
-    assert status.count("finished") == 2 and "scheduler: not running" in status
+    assert status.count("finished") == 2 and "/3 (checkpoint 3)" in status and "scheduler: not running" in status
 
-    assert "shipped step 2" in _run(script, "ship")
+    shipped = _run(script, "ship")
+    assert "a: shipped step 2" in shipped and "b: shipped step 3" in shipped
     final = ship / "a" / "step-00000002"
     assert (ship / "a" / "metrics.jsonl").is_file() and (ship / "a" / "recipe.json").is_file()
     assert any(final.iterdir()) and not list(final.glob("optimizer.*"))
@@ -85,7 +86,7 @@ def test_queue_runs_in_order_ships_and_skips_what_is_done(tmp_path):
     _run(script, "start")
     _wait_for_scheduler(root)
     log = (root / "logs" / "scheduler.log").read_text()
-    assert "a: finished (step 2); skipped" in log and "b: finished (step 2); skipped" in log
+    assert "a: finished (step 2); skipped" in log and "b: finished (step 3); skipped" in log
     assert not (root / "a").exists()
     assert _run(script, "report").startswith("report: ")
 
