@@ -20,7 +20,7 @@ from test_lm_loss import build_lm
 
 from attnlab import hf
 from attnlab.cli import main
-from attnlab.hf.beyond.lm_loss import Swap, swapped_layers
+from attnlab.hf.beyond.layer_swap import Swap, swapped_layers
 from attnlab.hf.beyond.retrofit import HNASRetrofit, hybrid_weight, lm_loss_sum, theta_for
 from attnlab.train.metrics import read_metrics
 from attnlab.train.retrofit import load_retrofit, retrofit_hybrid_weights, train_hf

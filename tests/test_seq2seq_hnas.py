@@ -14,7 +14,7 @@ from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from attnlab.data import DataPosition, load_corpus
-from attnlab.hf.beyond.lm_loss import LAYER_SWAP
+from attnlab.hf.beyond.layer_swap import LAYER_SWAP
 from attnlab.train.metrics import read_metrics
 from attnlab.train.retrofit import retrofit_hybrid_weights, train_hf
 from attnlab.train.retrofit_config import HFRunConfig

@@ -6,7 +6,7 @@ layer l and head h::
     pi^HNAS_lh = u_lh * pi^DNAS_lh + (1 - u_lh) * pi^UNAS_lh,      u_lh = sigmoid(theta_lh)
 
 The decoder's self-attention and its cross-attention stay the model's softmax. The swap is the HNAS
-retrofit's (:func:`attnlab.hf.beyond.lm_loss.swapped_layers` with u as a per-head tensor), applied to
+retrofit's (:func:`attnlab.hf.beyond.layer_swap.swapped_layers` with u as a per-head tensor), applied to
 the encoder's blocks alone; it is exact for the BART family (BART, mBART, Pegasus, Marian; T5 adds a
 position bias that attnlab's variants do not, so it is refused). Without ``base.model`` the recipe
 builds a tiny random BART (``arch``) over the corpus's WordPiece vocabulary (the scale runs' rule,
@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from attnlab.hf.beyond.lm_loss import Swap, swapped_layers
+from attnlab.hf.beyond.layer_swap import Swap, swapped_layers
 from attnlab.hf.beyond.retrofit import LearnedMix, hybrid_weight, lm_loss_sum
 from attnlab.train.retrofit import RetrofitObjective
 from attnlab.train.retrofit_config import HFRunConfig, Seq2SeqArch

@@ -16,11 +16,10 @@ Texts are tokenized once and cut into consecutive, non-overlapping windows of ``
 (special tokens included, so each window is what the model saw in pretraining); every text token is
 in exactly one window. The loss over several texts is token-weighted: total nats / scored tokens.
 
-A swap (:class:`Swap`) replaces the attention of some layers (all when None) and, within them, of some
-heads (all when None) by a variant, computed by the ``attnlab_<variant>`` attention function of
-:mod:`attnlab.hf.capture.interface` with the variant's parameters. The swapped layers' attention
-modules get a copy of the config naming ``attnlab_layer_swap`` (the other layers keep the model's own
-implementation, untouched); everything is restored on exit, also on error. Several swaps of one
+A swap (:class:`Swap`, installed by :func:`swapped_layers`; both in :mod:`attnlab.hf.beyond.layer_swap`,
+re-exported here) replaces the attention of some layers (all when None) and, within them, of some
+heads (all when None) by a variant, with the variant's parameters; everything is restored on exit,
+also on error. Several swaps of one
 window (:func:`window_losses`) share one unswapped forward: the transformer blocks below a swap's
 first layer are not run again, they return their recorded outputs (as the interventions do,
 :mod:`attnlab.hf.beyond.head_swaps`).
@@ -28,21 +27,15 @@ first layer are not run again, they return their recorded outputs (as the interv
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import os
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
-from transformers import AttentionInterface, AttentionMaskInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import sdpa_mask
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from attnlab.hf.beyond.head_swaps import _replaced_forwards, blocks_of
-from attnlab.hf.capture.interface import UnsupportedModelError, implementation_name
+from attnlab.hf.beyond.layer_swap import LAYER_SWAP, Swap, swapped_layers
 from attnlab.hf.capture.variant_params import variant_kwargs
 from attnlab.hf.capture.windows import MAX_DEFAULT_WINDOW, special_affixes, tokenize_text
 from attnlab.hf.load.loading import LoadedModel, load_language_model
@@ -64,19 +57,7 @@ __all__ = [
     "language_model_loss",
 ]
 
-LAYER_SWAP = "attnlab_layer_swap"  # the attention function of the swapped layers
 MASK_RATE = 0.15  # BERT's share of masked tokens
-_STATE = "_attnlab_layer_swap"  # attention-module attribute holding its _LayerState while swapped
-
-
-@dataclass(frozen=True)
-class Swap:
-    """Which attention to run: the model's own (``variant`` None) or a variant in some layers and heads."""
-
-    variant: str | None = None  # None: the model's own attention everywhere
-    layers: tuple[int, ...] | None = None  # swapped layers; None = every layer
-    heads: tuple[int, ...] | None = None  # swapped heads within them; None = every head
-    params: Mapping = field(default_factory=dict)  # the variant's parameters, validated, defaults filled
 
 
 @dataclass(frozen=True)
@@ -185,97 +166,6 @@ def token_losses(logits: torch.Tensor, labels: torch.Tensor, causal: bool) -> To
     )
 
 
-# ----------------------------------------------------------------------------------------------
-# The swap: an attention function for the swapped layers
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class _LayerState:
-    """What ``attnlab_layer_swap`` does in one swapped layer."""
-
-    variant: str
-    heads: list[int] | None  # None: every head
-    kwargs: dict  # attnlab_<param> keyword arguments of the variant's attention function (this layer's)
-    own: str  # the model's implementation (the unswapped heads)
-    calls: int = 0  # calls seen (one per forward)
-
-
-def _layer_swap_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """query (B, H, M, D); key, value (B, H_kv, N, D) -> (B, M, H, D): the variant's output in the
-    swapped heads, the model's own in the others."""
-    state: _LayerState = module.__dict__[_STATE]
-    state.calls += 1
-    variant = ALL_ATTENTION_FUNCTIONS[implementation_name(state.variant)]
-    out, weights = variant(
-        module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs, **state.kwargs
-    )
-    if state.heads is None:
-        return out, weights
-    kwargs.pop("output_attentions", None)
-    own_fn = (
-        ALL_ATTENTION_FUNCTIONS[state.own] if state.own in ALL_ATTENTION_FUNCTIONS else sdpa_attention_forward
-    )
-    own, _ = own_fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    own = own.clone()
-    own[:, :, state.heads] = out[:, :, state.heads]
-    return own, None
-
-
-AttentionInterface.register(LAYER_SWAP, _layer_swap_attention)
-AttentionMaskInterface.register(LAYER_SWAP, sdpa_mask)
-
-
-def _layer_kwargs(params: Mapping, layer: int) -> dict:
-    """The variant's parameters as ``attnlab_<name>`` keywords for one layer (a per-head (L, H) tensor
-    gives its row)."""
-    out = {}
-    for name, value in params.items():
-        if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[0] > 1:
-            value = value[layer]
-        out[f"attnlab_{name}"] = value
-    return out
-
-
-@contextlib.contextmanager
-def _swapped(model, blocks: list[torch.nn.Module], swap: Swap) -> Iterator[None]:
-    """The attention modules of the swapped layers' blocks run ``attnlab_layer_swap``; restored on exit.
-    UnsupportedModelError when a swapped layer's attention did not run it (the model does not read its
-    implementation per layer)."""
-    own = model.config._attn_implementation
-    layers = range(len(blocks)) if swap.layers is None else swap.layers
-    states, saved = [], []
-    for layer in layers:
-        state = _LayerState(
-            swap.variant,
-            None if swap.heads is None else list(swap.heads),
-            _layer_kwargs(swap.params, layer),
-            own,
-        )
-        states.append(state)
-        for m in blocks[layer].modules():
-            config = getattr(m, "config", None)
-            if config is not None and hasattr(config, "_attn_implementation"):
-                saved.append((m, config))
-                m.config = copy.copy(config)
-                m.config._attn_implementation = LAYER_SWAP
-                m.__dict__[_STATE] = state
-    try:
-        yield
-        if any(s.calls == 0 for s in states):
-            raise UnsupportedModelError(
-                f"{type(model).__name__} does not read its attention implementation per layer, so attnlab "
-                "cannot swap a variant into some of its layers"
-            )
-    finally:
-        for m, config in saved:
-            m.config = config
-            m.__dict__.pop(_STATE, None)
-
-
-swapped_layers = _swapped  # public: the HNAS retrofit (attnlab.hf.beyond.retrofit) trains through it
-
-
 def window_losses(
     loaded: LoadedModel,
     ids: Sequence[int],
@@ -319,7 +209,7 @@ def window_losses(
                 def stand_in(m, _forward):
                     return lambda *_a, **_k: recorded[id(m)]
 
-                with _replaced_forwards(below, stand_in), _swapped(net, blocks, swap):
+                with _replaced_forwards(below, stand_in), swapped_layers(net, blocks, swap):
                     logits = net(input_ids=inputs, use_cache=False).logits[0]
             out.append(token_losses(logits, labels, causal))
     return out

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from attnlab.hf.beyond.head_swaps import blocks_of
-from attnlab.hf.beyond.lm_loss import Swap, as_language_model, swapped_layers
+from attnlab.hf.beyond.layer_swap import Swap, swapped_layers
+from attnlab.hf.beyond.lm_loss import as_language_model
 from attnlab.hf.load.loading import LoadedModel
 
 __all__ = ["IGNORE", "hybrid_weight", "theta_for", "lm_loss_sum", "masked_lm_head", "LearnedMix",
