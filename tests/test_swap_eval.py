@@ -3,6 +3,7 @@ resume after SIGKILL counts every document once, changed settings are refused, b
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 from conftest import CORPUS
 from test_lm_loss import build_lm
 
@@ -118,6 +120,18 @@ def test_bad_inputs_are_worded(tmp_path, lm_dir, tiny_model_dir, capsys):
     assert rc == 2 and err.startswith("attnlab swap-eval: error: source") and "\n" not in err
 
 
+@contextlib.contextmanager
+def _torch_threads(n: int):
+    """torch's CPU threads set to n, restored on exit: a run's floats are bitwise the same only at one
+    thread count (BLAS splits its sums by thread; Ray's workers run one thread each)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _env():
     path = os.pathsep.join(filter(None, [str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH")]))
     return {**os.environ, "PYTHONPATH": path, "OMP_WAIT_POLICY": "PASSIVE"}
@@ -129,7 +143,7 @@ def test_sigkill_then_resume_counts_every_document_once(tmp_path, lm_dir):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "attnlab.cli", "swap-eval", "--model", str(lm_dir["bert"]),
            "--corpus", str(docs), "--out", str(out), "--variants", "dnas,softmax1", "--layers", "each,all",
-           "--shard-docs", "1", "--bootstrap", "200", "--quiet"]  # fmt: skip
+           "--shard-docs", "1", "--bootstrap", "200", "--quiet", "--threads", "1"]  # fmt: skip
     proc = subprocess.Popen(cmd, env=_env(), cwd=REPO, stderr=subprocess.PIPE)
     deadline = time.time() + 240
     while time.time() < deadline and not list((out / "rows").glob("shard-*.parquet")):
@@ -149,7 +163,8 @@ def test_sigkill_then_resume_counts_every_document_once(tmp_path, lm_dir):
     clean = tmp_path / "clean"  # an uninterrupted run, in this process
     args = cmd[3:]
     args[args.index("--out") + 1] = str(clean)
-    assert main(args) == 0
+    with _torch_threads(1):  # (main sets --threads 1 in this process too)
+        assert main(args) == 0
     for name in ("loss_delta.parquet", "loss_by_position.parquet"):
         pd.testing.assert_frame_equal(
             pd.read_parquet(out / name), pd.read_parquet(clean / name), check_exact=True
@@ -161,7 +176,8 @@ def test_ray_engine_writes_the_local_rows(tmp_path, lm_dir):
     ray = pytest.importorskip("ray")
     os.environ["PYTHONPATH"] = _env()["PYTHONPATH"]
     docs = _docs(tmp_path / "docs", 3)
-    local = swap_eval(str(docs), lm_dir["gpt2"], out=tmp_path / "local", shard_docs=1, **FAST)
+    with _torch_threads(1):  # the workers' thread count: the same floats
+        local = swap_eval(str(docs), lm_dir["gpt2"], out=tmp_path / "local", shard_docs=1, **FAST)
     try:
         on_ray = swap_eval(str(docs), lm_dir["gpt2"], out=tmp_path / "ray", shard_docs=1, engine="ray",
                            workers=2, **FAST)  # fmt: skip
