@@ -338,6 +338,13 @@ def test_hybrid_weights_page_shows_a_retrofit_run(app_env, lm_dirs):  # noqa: F8
     u = retrofit_hybrid_weights(run)[0].numpy()
     np.testing.assert_allclose(z_of(figs["hybrid_u_final"]), u, rtol=1e-6)
 
+    # an s2s-hnas run (HNAS in an encoder-decoder's encoder) is labelled as one, not as a retrofit
+    s2s = app_env / "runs" / "sum"
+    s2s.mkdir()
+    (s2s / "recipe.json").write_text(json.dumps({"kind": "s2s-hnas", "name": "s2s-hnas"}))
+    at = open_page("hybrid_weights")
+    assert any(o.startswith("sum (seq2seq encoder, ") for o in at.selectbox(key="hybrid_source").options)
+
 
 def test_a_shell_started_retrofit_run_counts_as_running_while_it_writes(tmp_path, lm_dirs, monkeypatch):
     sys.path.insert(0, str(ROOT / "app"))

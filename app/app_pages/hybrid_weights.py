@@ -10,6 +10,7 @@ from appkit.sources import CHECKPOINTS
 
 from attnlab.figures import app_views
 from attnlab.train.checkpoint import CheckpointError
+from attnlab.train.config import recipe_file_kind
 from attnlab.train.retrofit import is_retrofit_run, retrofit_hybrid_weights
 
 P = "hybrid"
@@ -19,15 +20,19 @@ st.title("Hybrid weights")
 st.caption(
     "HNAS mixes u·DNAS + (1−u)·UNAS per head, u = sigmoid(θ) learned from θ₀ = 0 (u₀ = 0.5). The "
     "paper reports u above 0.5 in every layer, with more UNAS near the output. Runs of `attnlab train "
-    "--recipe retrofit-hnas --out runs/NAME` (HNAS learned on a frozen pretrained model) and runs of "
+    "--recipe retrofit-hnas --out runs/NAME` (HNAS learned on a frozen pretrained model), of "
+    "`--recipe s2s-hnas` (HNAS in an encoder-decoder's encoder) and runs of "
     "`attnlab train --out runs/GROUP/NAME` started from a shell are listed too; seeds of one recipe "
     "(NAME-s0, NAME-s1, …) are drawn together with a 95 % CI band."
 )
 
 sources = {f"{p.name} (shipped)": p for p in sorted(CHECKPOINTS.glob("*")) if (p / "metrics.jsonl").is_file()}
 sources |= {f"{r.name} (run, {r.status})": r.dir for r in runs.list_runs()}
-sources |= {f"{r.dir.relative_to(runs.runs_dir())} (retrofit, {r.status})": r.dir
-            for r in runs.list_retrofit_runs()}
+# a retrofit of a pretrained model, or HNAS in an encoder-decoder's encoder (recipe s2s-hnas)
+KIND_LABEL = {"retrofit-hnas": "retrofit", "s2s-hnas": "seq2seq encoder"}
+for r in runs.list_retrofit_runs():
+    kind = KIND_LABEL.get(recipe_file_kind(r.dir / "recipe.json"), "retrofit")
+    sources[f"{r.dir.relative_to(runs.runs_dir())} ({kind}, {r.status})"] = r.dir
 sources |= {f"{r.dir.relative_to(runs.runs_dir())} (command-line run, {r.status})": r.dir
             for r in runs.list_cli_runs()}
 options = [*sources, UPLOAD]
