@@ -4,7 +4,7 @@ No pretrained causal LM ships with attnlab or its dependencies, so the HNAS retr
 (docs/RETROFIT.md) needs one trained here. This recipe builds ``transformers.GPT2LMHeadModel`` from
 ``arch`` (``GPT2Config``: n_layer, n_embd, n_head, n_inner; n_positions = data.seq_len; dropout 0, so a
 step is a function of its batch and resume is exact), random init from the run's seed, over the corpus's
-WordPiece vocabulary (:func:`attnlab.train.seq2seq_hnas.corpus_tokenizer`, the s2s-hnas rule), and
+WordPiece vocabulary (:func:`attnlab.train.scratch.corpus_tokenizer`, the s2s-hnas rule), and
 trains *every* weight with plain softmax attention (no swap) on next-token loss over the corpus windows
 of :class:`attnlab.train.hf_data.HFWindows` (``[CLS]`` + seq_len - 2 tokens + ``[SEP]``)::
 
@@ -77,7 +77,7 @@ def build_tiny_gpt2(arch: CausalLMArch, corpus: str, directory: str | os.PathLik
     save_pretrained (safetensors) in ``directory``."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from attnlab.train.seq2seq_hnas import corpus_tokenizer
+    from attnlab.train.scratch import corpus_tokenizer
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -184,14 +184,8 @@ def causal_lm_objective(config: HFRunConfig, run_dir, resume: bool, device, corp
     """The objective of a causal-lm run: ``RUN/base-model`` (built at the start from ``arch`` and the run's
     seed; on --resume the saved one), loaded with its LM head."""
     from attnlab.hf.load.loading import load_language_model
-    from attnlab.train.seq2seq_hnas import BASE_DIR
+    from attnlab.train.scratch import base_model_dir
 
-    base_dir = Path(run_dir) / BASE_DIR
-    if not (base_dir / "config.json").is_file():
-        if resume:
-            raise ValueError(f"--resume: {run_dir} has no {BASE_DIR}/ (the model the run started from)")
-        if (Path(run_dir) / "recipe.json").exists():
-            raise ValueError(f"{run_dir} already holds a run; pass --resume to continue it, or choose "
-                             "another --out")
-        build_tiny_gpt2(config.arch, corpus, base_dir, seq_len=config.data.seq_len, seed=config.train.seed)
+    base_dir = base_model_dir(run_dir, resume, lambda d: build_tiny_gpt2(
+        config.arch, corpus, d, seq_len=config.data.seq_len, seed=config.train.seed))
     return CausalLMObjective(load_language_model(base_dir, device=device), device)

@@ -30,11 +30,11 @@ from attnlab.hf.beyond.layer_swap import Swap, swapped_layers
 from attnlab.hf.beyond.retrofit import LearnedMix, hybrid_weight, lm_loss_sum
 from attnlab.train.retrofit import RetrofitObjective
 from attnlab.train.retrofit_config import HFRunConfig, Seq2SeqArch
+from attnlab.train.scratch import BASE_DIR, base_model_dir, corpus_tokenizer
 
 __all__ = ["BASE_DIR", "EncoderHNAS", "Seq2SeqObjective", "build_tiny_bart", "corpus_tokenizer",
            "load_seq2seq_lm", "seq2seq_objective", "u_report"]
 
-BASE_DIR = "base-model"  # RUN/base-model: the random-init model a from-scratch run starts from
 
 
 class EncoderHNAS(LearnedMix):
@@ -101,22 +101,6 @@ class Seq2SeqObjective(RetrofitObjective):
             {"u": self.hybrid_weights(), "applies_to": "encoder self-attention (decoder: softmax)"}) + "\n")
 
 
-def corpus_tokenizer(corpus: str, vocab_size: int, max_len: int):
-    """The scale runs' tokenizer rule as a ``BertTokenizerFast``: the MiniLM uncased WordPiece vocabulary
-    restricted to the ``vocab_size`` pieces ``corpus`` uses most (:func:`attnlab.data.build_tokenizer`);
-    ``[PAD] [UNK] [CLS] [SEP] [MASK]`` = ids 0-4. Shared by the from-scratch recipes (s2s-hnas, causal-lm)."""
-    from transformers import BertTokenizerFast
-
-    from attnlab.data import build_tokenizer
-
-    pieces = build_tokenizer("wordpiece", corpus, vocab_size).vocab  # ids 0-4: the specials
-    tokenizer = BertTokenizerFast(vocab={t: i for i, t in enumerate(pieces)}, do_lower_case=True,
-                                  model_max_length=max_len)
-    if len(tokenizer) != len(pieces):
-        raise ValueError(f"the tokenizer kept {len(tokenizer)} of the {len(pieces)} vocabulary pieces")
-    return tokenizer
-
-
 def build_tiny_bart(arch: Seq2SeqArch, corpus: str, directory: str | os.PathLike, *, max_len: int,
                     seed: int) -> Path:
     """A random-init BART (``arch``, dropout 0, weights drawn from ``seed``) with a BERT WordPiece
@@ -164,16 +148,9 @@ def seq2seq_objective(config: HFRunConfig, run_dir, resume: bool, device, corpus
     ``arch`` and the run's seed; on --resume the saved one)."""
     if config.base.model is not None:
         return Seq2SeqObjective(load_seq2seq_lm(config.base.model, device), config, device)
-    base_dir = Path(run_dir) / BASE_DIR
-    if not (base_dir / "config.json").is_file():
-        if resume:
-            raise ValueError(f"--resume: {run_dir} has no {BASE_DIR}/ (the model the run started from)")
-        if (Path(run_dir) / "recipe.json").exists():
-            raise ValueError(f"{run_dir} already holds a run; pass --resume to continue it, or choose "
-                             "another --out")
-        dc = config.data
-        build_tiny_bart(config.arch, corpus, base_dir, max_len=max(dc.seq_len, dc.target_len + 2),
-                        seed=config.train.seed)
+    dc = config.data
+    base_dir = base_model_dir(run_dir, resume, lambda d: build_tiny_bart(
+        config.arch, corpus, d, max_len=max(dc.seq_len, dc.target_len + 2), seed=config.train.seed))
     return Seq2SeqObjective(load_seq2seq_lm(base_dir, device), config, device)
 
 
