@@ -104,16 +104,26 @@ def is_native(path: str | Path) -> bool:
     return is_checkpoint(path)
 
 
+def _run_source(run: Path, label: str) -> Source | None:
+    """A run directory (latest.json) as a model: attnlab's own checkpoint, or the Hugging Face model a
+    recipe on a Hugging Face model wrote to ``RUN/model`` (e.g. s2s-hnas's BART; recipe.json names its
+    kind); None for a run with neither (a retrofit's θ alone)."""
+    from attnlab.train.config import recipe_file_kind
+
+    if recipe_file_kind(run / "recipe.json") is None:
+        return Source("native", str(run), label)
+    if (run / "model" / "config.json").is_file():
+        return Source("hf", str(run / "model"), label)
+    return None
+
+
 def checkpoint_sources() -> list[Source]:
-    """Shipped checkpoints (checkpoints/*) and runs trained from the app (runs/*), newest runs first."""
-    out = [
-        Source("native", str(p), f"{p.name} (shipped)")
-        for p in sorted(CHECKPOINTS.glob("*"))
-        if (p / "latest.json").is_file()
-    ]
+    """Shipped checkpoints (checkpoints/*) and runs trained from the app (runs/*), newest runs first:
+    attnlab's own checkpoints, and the model/ of a shipped Hugging Face recipe run (s2s-hnas-s*)."""
+    shipped = [_run_source(p, f"{p.name} (shipped)") for p in sorted(CHECKPOINTS.glob("*"))
+               if (p / "latest.json").is_file()]
     runs = sorted(runs_dir().glob("*/latest.json"), key=lambda p: p.stat().st_mtime, reverse=True)
-    out += [Source("native", str(p.parent), f"{p.parent.name} (run)") for p in runs]
-    return out
+    return [s for s in [*shipped, *(_run_source(p.parent, f"{p.parent.name} (run)") for p in runs)] if s]
 
 
 # Native attnlab checkpoints load through the library like any model (attnlab.hf.load.native).
