@@ -16,7 +16,7 @@ A run directory holds, besides the trainer's files::
 
     RUN/base-model/    the random-init model and tokenizer the run started from (built once)
     RUN/model/         the model of the latest checkpoint (save_pretrained, safetensors) + tokenizer +
-                       attnlab_step.json; rewritten at every checkpoint (temporary directory, renamed),
+                       attnlab_step.json; written at the end of the run (temporary directory, renamed),
                        loaded by attnlab.hf.load_language_model and by --recipe retrofit-hnas --model
 
     attnlab train --recipe causal-lm --out runs/gpt2-kjv
@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from attnlab.checkpoint_io import atomic_write_json, fsync_dir
-from attnlab.train.checkpoint import CheckpointError
+from attnlab.train.checkpoint import CheckpointError, read_latest
 from attnlab.train.config import _check, _is_int
 
 if TYPE_CHECKING:
@@ -154,11 +154,12 @@ class CausalLMObjective:
     def hybrid_weights(self) -> None:
         return None
 
-    def after_checkpoint(self, run_dir: Path, step: int) -> None:
-        """RUN/model <- this model and tokenizer (save_pretrained), written into a temporary directory,
-        fsynced and renamed over the old one: a kill leaves the old or the new model/ (at worst, between
-        the two renames, only ``.model.old``, replaced at the next checkpoint)."""
+    def export(self, run_dir: Path) -> None:
+        """At the end of the run: RUN/model <- this model and tokenizer (save_pretrained) and the final
+        step, written into a temporary directory, fsynced and renamed over any old one (what a kill
+        inside an earlier swap left, ``.model.tmp`` or ``.model.old``, is removed)."""
         run_dir = Path(run_dir)
+        step = read_latest(run_dir)["step"]
         out, tmp, old = (run_dir / EXPORT_DIR, run_dir / f".{EXPORT_DIR}.tmp", run_dir / f".{EXPORT_DIR}.old")
         shutil.rmtree(tmp, ignore_errors=True)
         with _no_progress_bars():
@@ -175,9 +176,6 @@ class CausalLMObjective:
         os.rename(tmp, out)
         fsync_dir(run_dir)
         shutil.rmtree(old, ignore_errors=True)
-
-    def export(self, run_dir: Path) -> None:  # RUN/model is written at every checkpoint (after_checkpoint)
-        pass
 
 
 def causal_lm_objective(config: HFRunConfig, run_dir, resume: bool, device, corpus: str) -> CausalLMObjective:

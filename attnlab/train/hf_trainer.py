@@ -14,8 +14,8 @@ resume and a clean stop on SIGTERM / SIGINT. A run directory holds::
     step-0000000N/     hf_run.json (format, kind, the base model's directory, step, shape),
                        weights.safetensors (only the trained tensors), optimizer.safetensors,
                        trainer_state.json
-    model/             mlm-head and s2s-hnas at the end, causal-lm at every checkpoint: the model with
-                       its head, for hf.load_language_model
+    model/             mlm-head, s2s-hnas and causal-lm, at the end: the model with its head, for
+                       hf.load_language_model
 """
 
 from __future__ import annotations
@@ -62,9 +62,8 @@ class Objective(Protocol):
     def tensors(self) -> dict[str, torch.Tensor]: ...  # what a checkpoint saves
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None: ...
     def hybrid_weights(self) -> list | None: ...  # (L, H) u for metrics.jsonl, or None
-    def export(self, run_dir: Path) -> None: ...  # the final product (mlm-head: model/)
+    def export(self, run_dir: Path) -> None: ...  # the final product (mlm-head, causal-lm: model/)
     # optional: make_data(tokenizer, corpus, config) -> batches with HFWindows' interface (s2s-hnas)
-    # optional: after_checkpoint(run_dir, step), called after every checkpoint is complete (causal-lm)
 
 
 @dataclass
@@ -122,7 +121,6 @@ def train_objective(config: HFRunConfig, objective: Objective, tokenizer, run_di
         fingerprint = corpus_fingerprint(corpus)
         info = objective.info
         make_data = getattr(objective, "make_data", None)  # s2s-hnas: (source, lead summary) pairs
-        after_checkpoint = getattr(objective, "after_checkpoint", None)  # causal-lm: RUN/model
         data = make_data(tokenizer, corpus, config) if make_data is not None else HFWindows(
             tokenizer, corpus, seq_len=dc.seq_len, causal=info.causal, vocab_size=len(tokenizer),
             mask_rate=dc.mask_rate, seed=tc.seed)
@@ -164,8 +162,6 @@ def train_objective(config: HFRunConfig, objective: Objective, tokenizer, run_di
             with_optimizer = tc.keep_optimizer or not final
             kept = optimizer if with_optimizer else None
             write_step(run_dir, step, write, kept, state, tc.keep_checkpoints)
-            if after_checkpoint is not None:
-                after_checkpoint(run_dir, step)
 
         if latest is None:  # step 0: the initial held-out loss and a checkpoint
             log.write({"step": 0, "eval_loss": _evaluate(objective, eval_batches, dev), "lr": 0.0,
