@@ -29,7 +29,12 @@ def architecture_table(archs) -> str:
         else:
             analysis = "yes (scores at the module's softmax)" if a.scores else "yes"
             swap = f"{a.swap} (softmax replaced)" if a.scores and a.swap == "yes" else a.swap
-            cells = (analysis, swap, f"yes ({a.values} projections)", a.masks)
+            values = f"yes ({a.values} projections)"
+            if a.interface_from:  # the family moved to the AttentionInterface in that release
+                since = f"; from transformers {a.interface_from}: "
+                analysis, swap = f"{analysis[:-1]}{since}q and k)", f"{swap[:-1]}{since}the interface)"
+                values = f"{values[:-1]}{since}traced)"
+            cells = (analysis, swap, values, a.masks)
         rows.append(f"| {a.name} | `{a.key}` | " + " | ".join(cells) + " |")
     return "\n".join((*HEADER, *rows))
 

@@ -166,6 +166,21 @@ class Arch:
     refused: str = ""  # why attnlab refuses it, the words its error uses ("" = analysed)
     scores: bool = False  # attention outside the AttentionInterface: captured at its softmax (scores.py)
     seq2seq: bool = False  # an encoder-decoder: three kinds of attention (tests/test_encoder_decoder.py)
+    interface_from: str = ""  # the transformers release from which a ``scores`` family routes through
+    # the AttentionInterface (then q and k are captured and its projections traced); "" = none yet
+
+    def at_scores(self) -> bool:
+        """Captured at its softmax with the installed transformers (``scores``, until ``interface_from``)."""
+        if not (self.scores and self.interface_from):
+            return self.scores
+        import transformers
+        from packaging.version import Version
+
+        return Version(transformers.__version__) < Version(self.interface_from)
+
+    def value_path(self) -> str:
+        """Contributions' value path with the installed transformers (``values``, traced on the interface)."""
+        return "traced" if self.scores and not self.at_scores() else self.values
 
 
 ARCHITECTURES = (
@@ -200,7 +215,8 @@ ARCHITECTURES = (
     Arch("gpt_neo", "GPT-Neo", masks="causal, local layers (window), unscaled", values="declared",
          family="gpt_neo", scores=True),
     Arch("bloom", "BLOOM", masks="causal, ALiBi", values="declared", family="bloom", scores=True),
-    Arch("falcon", "Falcon (multi-query)", masks="causal", values="declared", family="falcon", scores=True),
+    Arch("falcon", "Falcon (multi-query)", masks="causal", values="declared", family="falcon", scores=True,
+         interface_from="5.25"),
     # encoder-decoders: encoder, decoder (causal) and cross attention (attnlab/hf/capture/seq2seq.py)
     Arch("t5", "T5", masks="relative position bias; decoder causal", swap="no (position bias)", seq2seq=True),
     Arch("bart", "BART", masks="padding; decoder causal", seq2seq=True),
@@ -218,10 +234,13 @@ _TOKENIZER_KIND = {"gpt2": "gpt2", "roberta": "roberta", "llama": "llama", "mist
                                     "starcoder2", "granite", "gpt_neo", "bloom", "falcon"), "llama")}
 
 
-def _config(arch: str, vocab_size: int):
+def _config(arch: str, vocab_size: int, **overrides):
+    """The tiny config of ``arch``; ``overrides`` go to the constructor (fields derived from others, as
+    Falcon's num_key_value_heads from its layout, stay consistent)."""
     import transformers
 
     cls, fields = TINY_CONFIGS[arch]
+    fields = {**fields, **overrides}
     if arch == "vit":  # no vocabulary
         return getattr(transformers, cls)(**fields)
     return getattr(transformers, cls)(vocab_size=vocab_size, **fields)

@@ -25,7 +25,9 @@ import re
 
 import pytest
 import torch
+import transformers
 from conftest import ARCHITECTURES, REPO, TINY_CONFIGS, _config, build_tiny_model
+from packaging.version import Version
 
 import attnlab
 from attnlab import contributions, hf
@@ -123,7 +125,7 @@ def test_contributions_are_finite_and_found_by_the_declared_path(arch, arch_dir)
         assert bool(result.contribution_mass[v].isfinite().all())
         assert bool(w.layer_contribution_norms(v, 1).isfinite().all())
     traced = loaded.model in values._TRACED
-    assert ("declared" if adapter_for(loaded.model) else "traced" if traced else "named") == arch.values
+    assert ("declared" if adapter_for(loaded.model) else "traced" if traced else "named") == arch.value_path()
     swap = hf.analyze(TEXT, loaded, ["unas"], mode="swap", contributions=True)
     assert bool(swap.windows[0].values["unas"].norms.isfinite().all())
     if arch.swap == "yes":  # swap-mode UNAS is the model's own forward: the same values
@@ -294,11 +296,11 @@ def _check_against_reference(model, family: str, ids: torch.Tensor):
         torch.testing.assert_close(got, literal, rtol=1e-4, atol=1e-5)
 
 
-def _in_memory(key: str):
+def _in_memory(key: str, **overrides):
     import transformers
 
     torch.manual_seed(0)
-    model = transformers.AutoModel.from_config(_config(key, 100)).eval()
+    model = transformers.AutoModel.from_config(_config(key, 100, **overrides)).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, SCALE)
@@ -467,21 +469,28 @@ def test_terms_the_variants_do_not_model_are_refused_with_their_name(name, impl)
 # ----------------------------------------------------------------------------------------------
 
 
-def _bloom_literal_scores(model, layer: int, x: torch.Tensor) -> torch.Tensor:
-    """BLOOM's layer scores by hand: q_i.k_j / sqrt(Dh) + m_h * j (ALiBi, slopes 2^(-8 (h + 1) / H) for
-    H a power of two), x (N, D) the layer's attention input -> (H, N, N), causal entries only."""
+def _alibi_literal_scores(model, layer: int, x: torch.Tensor, family: str) -> torch.Tensor:
+    """A per-head q/k/v ALiBi layer's scores by hand, x (N, D) the layer's attention input -> (H, N, N),
+    causal entries only; slopes m_h = 2^(-8 (h + 1) / H) for H a power of two:
+    BLOOM q_i.k_j / sqrt(Dh) + m_h j; Falcon (q_i.k_j + m_h j) / sqrt(Dh)."""
     att = model.h[layer].self_attention
     H, N = att.num_heads, x.shape[0]
     qkv = _lin(att.query_key_value, x).reshape(N, H, 3, -1)  # (N, H, (q, k, v), Dh)
     q, k = qkv[:, :, 0].transpose(0, 1), qkv[:, :, 1].transpose(0, 1)  # (H, N, Dh)
     slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / H) for h in range(H)])
     alibi = slopes[:, None, None] * torch.arange(N, dtype=torch.float32)[None, None, :]  # (H, 1, N)
-    return q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5 + alibi
+    root = q.shape[-1] ** 0.5
+    if family == "falcon" and Version(transformers.__version__) < Version("5.25"):
+        alibi = 2 * alibi  # its eager path (observed there) adds the bias twice: in its logits and its mask
+    return q @ k.transpose(-1, -2) / root + (alibi if family == "bloom" else alibi / root)
 
 
+@pytest.mark.parametrize("family", ["bloom", "falcon"])
 @pytest.mark.parametrize("variant", ["unas", "dnas", "hnas", "sinkhorn"])
-def test_bloom_scores_are_the_literal_alibi_scores_and_every_variant_normalizes_them(variant):
-    model = _in_memory("bloom")
+def test_alibi_scores_are_the_literal_scores_and_every_variant_normalizes_them(variant, family):
+    """BLOOM, and ALiBi Falcon: at its module's softmax before transformers 5.25, from its attention
+    mask's bias from 5.25 (attnlab/hf/capture/mask_bias.py); recompute and swap."""
+    model = _in_memory(family, **({"multi_query": False, "alibi": True} if family == "falcon" else {}))
     ids = torch.randint(3, 100, (1, 9), generator=torch.Generator().manual_seed(2))
     u = torch.tensor([[0.1, 0.3, 0.6, 0.9], [0.5, 0.5, 0.5, 0.5]])  # (L, H): HNAS's u per layer and head
     params = {"u": u} if variant == "hnas" else {}
@@ -496,8 +505,9 @@ def test_bloom_scores_are_the_literal_alibi_scores_and_every_variant_normalizes_
     finally:
         hook.remove()
     c = captured[0]
-    assert c.scores_of == "BLOOM" and c.causal and c.scaling == 1.0
-    literal = _bloom_literal_scores(model, 0, inputs[0])  # (H, N, N)
+    assert c.scores_of.startswith(family.upper() if family == "bloom" else "Falcon") and c.causal
+    assert c.scaling == 1.0
+    literal = _alibi_literal_scores(model, 0, inputs[0], family)  # (H, N, N)
     causal = torch.ones(9, 9, dtype=torch.bool).tril()
     torch.testing.assert_close((c.query @ c.key.transpose(-1, -2))[0][:, causal], literal[:, causal],
                                rtol=0, atol=1e-5)
@@ -516,9 +526,7 @@ def test_falcon_layouts_equal_eager_and_the_hand_built_reference(fields):
     UNAS equals eager's weights, and contributions the hand-built reference."""
     import transformers
 
-    config = _config("falcon", 100)
-    for name, value in fields.items():
-        setattr(config, name, value)
+    config = _config("falcon", 100, **fields)
     torch.manual_seed(0)
     model = transformers.AutoModel.from_config(config).eval()
     with torch.no_grad():

@@ -85,7 +85,7 @@ def test_bad_layer_and_gam_layer_are_refused(minilm):
         layer_query_key(gam, gam.tokenizer("a cat sat")["input_ids"], layers[0])
 
 
-@pytest.mark.parametrize("arch", [a.key for a in ARCHITECTURES if a.scores])
+@pytest.mark.parametrize("arch", [a.key for a in ARCHITECTURES if a.at_scores()])
 def test_models_captured_at_the_score_level_are_refused_by_name(arch, tiny_model_dir):
     # their captured "query" is the score matrix (after the model's own biases) and their "key" an
     # identity: a neuron view of those would show meaningless vectors

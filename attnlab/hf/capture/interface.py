@@ -9,7 +9,9 @@ with query (B, H, M, D), key/value (B, H_kv, N, D) and out (B, M, H, D)):
   requested (or while an analysis captures them), so ``model(..., output_attentions=True)`` works.
   ``scaling``, ``sliding_window`` and ``softcap`` (Gemma 2: s -> softcap * tanh(s / softcap) before the
   variant's normalizer) are honoured; attention sinks (``s_aux``, ``sinks``) and a ``position_bias``
-  are refused with an :class:`UnsupportedModelError` (here and in ``attnlab_capture``).
+  are refused with an :class:`UnsupportedModelError` (here and in ``attnlab_capture``). A position
+  bias inside the additive mask (Falcon's ALiBi from transformers 5.25) is honoured: both modes then
+  work on the layer's scores S = scale q kᵀ + bias (attnlab/hf/capture/mask_bias.py).
 - ``attnlab_capture`` (*recompute* mode): records each layer's q and k (after projection and rotary
   embedding, after repeating grouped kv heads) and delegates to transformers' own SDPA attention, so
   the forward pass is the model's own.
@@ -40,6 +42,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from attnlab.hf.capture.mask_bias import KWARG, biased_scores, family_of, mask_bias
 from attnlab.hf.capture.run_state import (  # noqa: F401  (re-exported)
     _ACTIVE,
     DEFAULT_ITERS,
@@ -55,7 +58,7 @@ from attnlab.hf.capture.run_state import (  # noqa: F401  (re-exported)
     check_settings,
 )
 from attnlab.hf.capture.score_adapters import adapter_for
-from attnlab.hf.capture.scores import run_on_scores
+from attnlab.hf.capture.scores import run_on_scores, scores_as_layer, variant_weights
 from attnlab.hf.capture.softcap import softcapped_attention
 from attnlab.normalizers import (
     VARIANTS,
@@ -90,8 +93,9 @@ def to_bool_mask(attention_mask: torch.Tensor | None, n_keys: int) -> torch.Tens
     """transformers' mask -> bool (B, 1|H, M, N), True = may attend.
 
     Boolean masks pass through; additive float masks (0 = attend, large negative = masked) are
-    thresholded. An additive mask carrying other values is a position bias (ALiBi, T5), which the
-    variants cannot reproduce, and raises :class:`UnsupportedModelError`.
+    thresholded. An additive mask carrying other values is a position bias (ALiBi, T5) and raises
+    :class:`UnsupportedModelError` here; the attention functions below take such a mask through
+    attnlab/hf/capture/mask_bias.py first (the variants of S = scale q kᵀ + bias).
     """
     if attention_mask is None:
         return None
@@ -198,7 +202,11 @@ def _variant_attention(variant: str):
                 "cached decoding); call the model with use_cache=False"
             )
         window = kwargs.get("sliding_window")
-        mask = _window_mask(to_bool_mask(attention_mask, N), causal, window, M, N, query.device)
+        bias = mask_bias(attention_mask, N)  # (B, 1|H, M, N): a position bias in the mask, or None
+        if bias is None:
+            mask = _window_mask(to_bool_mask(attention_mask, N), causal, window, M, N, query.device)
+        else:  # (the bias's mask holds the window)
+            mask = None
         causal = causal and M == N and M > 1
         params = {name: _layer_value(value, layer, query.shape[1]) for name, value in settings.items()}
         params = {name: value.to(query.device) if isinstance(value, torch.Tensor) else value
@@ -207,7 +215,10 @@ def _variant_attention(variant: str):
         p = dropout if module.training else 0.0
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         softcap = kwargs.get("softcap")
-        if softcap is not None:  # Gemma 2: s -> cap * tanh(s / cap) before the variant's normalizer
+        if bias is not None:  # Falcon's ALiBi (transformers >= 5.25): the variant of S = scale q kᵀ + bias
+            scores = biased_scores(module, query, key, bias, scale, softcap)  # (B, H, M, N)
+            weights = variant_weights(scores, variant, causal, None, params, query.dtype)
+        elif softcap is not None:  # Gemma 2: s -> cap * tanh(s / cap) before the variant's normalizer
             weights = _softcapped_weights(query, key, variant, float(softcap), mask, causal, scale, params)
         elif not (want or p > 0):
             kw = dict(mask=mask, causal=causal, scale=scale, **params)
@@ -216,7 +227,9 @@ def _variant_attention(variant: str):
             kw = dict(mask=mask, causal=causal, scale=scale, **params)
             _, weights = attend(query, key, value, variant, return_weights=True, **kw)  # (B, H, M, N)
         out = torch.matmul(F.dropout(weights, p=p, training=p > 0), value)  # (B, H, M, D)
-        return out.transpose(1, 2).contiguous(), weights if want else None  # (B, M, H, D)
+        # weights computed anyway go back even unasked: Falcon (transformers >= 5.25) keeps its
+        # output_attentions from the attention function and collects whatever it returns
+        return out.transpose(1, 2).contiguous(), weights  # (B, M, H, D)
 
     attention.__name__ = f"attnlab_{variant}_attention"
     attention.__doc__ = f"transformers attention function running attnlab's {variant!r} variant."
@@ -234,22 +247,28 @@ def _capture_attention(module, query, key, value, attention_mask, scaling=None, 
         causal = _is_causal(module, kwargs)
         softcap = kwargs.get("softcap")
         window = kwargs.get("sliding_window")
-        run.capture.append(
-            CapturedLayer(
-                query=query.detach(),
-                key_heads=key.detach(),  # (B, H_kv, N, D): repeated only where a consumer needs it
-                mask=to_bool_mask(attention_mask, key.shape[-2]),
-                scaling=scale,
-                causal=causal,
-                softcap=None if softcap is None else float(softcap),
-                sliding_window=None if window is None else int(window),
+        bias = mask_bias(attention_mask, key.shape[-2])
+        if bias is not None:  # a position bias in the mask: the layer's scores S, keys I_N (mask_bias.py)
+            scores = biased_scores(module, query.detach(), key.detach(), bias, scale, softcap)
+            run.capture.append(scores_as_layer(scores, causal, family_of(module)))
+        else:
+            run.capture.append(
+                CapturedLayer(
+                    query=query.detach(),
+                    key_heads=key.detach(),  # (B, H_kv, N, D): repeated only where a consumer needs it
+                    mask=to_bool_mask(attention_mask, key.shape[-2]),
+                    scaling=scale,
+                    causal=causal,
+                    softcap=None if softcap is None else float(softcap),
+                    sliding_window=None if window is None else int(window),
+                )
             )
-        )
         last = run.stop_after is not None and len(run.capture) >= run.stop_after
         out = None
-        if run.layer_hook is not None:
+        if run.layer_hook is not None:  # a mask bias goes with the keywords (the analyses decline it)
             out = run.layer_hook(len(run.capture) - 1, query, repeat_kv(key, n_rep), repeat_kv(value, n_rep),
-                                 run.capture[-1].mask, scale, dropout, module.training, causal, last, kwargs)
+                                 run.capture[-1].mask, scale, dropout, module.training, causal, last,
+                                 kwargs if bias is None else {**kwargs, KWARG: bias})
         if run.spill is not None:  # q and k to a file, mapped back on use
             run.capture[-1] = run.spill.layer(run.capture[-1])
         if last:
@@ -383,7 +402,8 @@ def capture_qk(model, *, stop_after: int | None = None, layer_hook=None,
     rest of the ``with`` block is skipped and execution continues after it. ``layer_hook(layer, query, key,
     value, mask, scaling, dropout, training, causal, last, kwargs)``, when given, is called after each
     layer's q and k are recorded (keys and values with grouped-query heads repeated, ``mask`` the
-    recorded one: bool, True = may attend, or None); the
+    recorded one: bool, True = may attend, or None; a position bias in the model's mask comes in ``kwargs``
+    under ``mask_bias.KWARG``, the recorded layer then holding the scores); the
     tensor it returns, (B, N, H, Dv), is the layer's attention output in place of SDPA's (None: SDPA
     runs). attnlab/hf/compute/fused_forward.py's analysis is one. ``spill``
     (:class:`attnlab.hf.capture.spill.Spill`), when given, keeps each layer's q and k in a file once the

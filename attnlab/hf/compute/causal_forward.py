@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import torch
 
+from attnlab.hf.capture.mask_bias import KWARG
 from attnlab.hf.compute import causal_kernel, tiles
 
 __all__ = ["CausalLayerwise"]
 
 # attention keyword arguments beyond q, k, v, the scale, a softcap and a sliding window: not taken
-_OTHER = ("s_aux", "sinks", "position_bias")
+_OTHER = ("s_aux", "sinks", "position_bias", KWARG)  # (KWARG: a position bias in the mask)
 
 
 class CausalLayerwise:

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import torch
 
+from attnlab.hf.capture.mask_bias import KWARG
 from attnlab.hf.compute.fused_sums import _assemble_sums, _FusedBuffers, flags_for, run_kernel
 
 __all__ = ["LayerwiseAnalysis"]
 
 # attention keyword arguments that change the attention beyond q, k and the scale: such layers are not taken
-_CHANGING = ("softcap", "sliding_window", "s_aux", "sinks")
+_CHANGING = ("softcap", "sliding_window", "s_aux", "sinks", KWARG)  # (KWARG: a position bias in the mask)
 
 
 class LayerwiseAnalysis:
