@@ -464,6 +464,60 @@ def test_terms_the_variants_do_not_model_are_refused_with_their_name(name, impl)
         interface._ACTIVE.reset(token)
 
 
+def _biased_mask(g, H: int, N: int, pad: bool):
+    """(1, H, N, N) float: an ALiBi-like bias m_h j on the causal entries, finfo.min elsewhere (and on a
+    padded last key when ``pad``); -> (mask, allowed (N, N))."""
+    i, j = torch.arange(N)[:, None], torch.arange(N)[None, :]
+    allowed = j <= i
+    if pad:
+        allowed = allowed & (j < N - 1)
+    bias = torch.rand(H, 1, 1, generator=g) * j.float()  # (H, 1, N)
+    mask = bias.expand(H, N, N).masked_fill(~allowed, torch.finfo(torch.float32).min)[None]
+    return mask, allowed
+
+
+@pytest.mark.parametrize("pad", [False, True], ids=["causal", "padded key"])
+@pytest.mark.parametrize("variant", ["unas", "dnas", "hnas", "sinkhorn"])
+def test_a_position_bias_in_the_mask_is_part_of_the_scores(variant, pad):
+    """attnlab/hf/capture/mask_bias.py on the attention functions themselves (what transformers >= 5.25's
+    ALiBi Falcon hands them): swap mode's weights are the variant of S = scale q k^T + bias, the capture
+    records S (keys I_N) and hands the bias to the layer hook; a 0/masked float mask stays q and k."""
+    from transformers import AttentionInterface
+
+    from attnlab.hf.capture import interface
+    from attnlab.hf.capture.mask_bias import KWARG
+
+    hf.register_attention_functions()
+    g = torch.Generator().manual_seed(3)
+    H, N = 4, 7
+    q, k, v = (torch.randn(1, n, N, 8, generator=g) for n in (H, 2, 2))
+    mask, allowed = _biased_mask(g, H, N, pad)
+    scores = q @ k.repeat_interleave(2, dim=1).transpose(-1, -2) * 0.5 + mask  # (1, H, N, N)
+    ref = attnlab.attention_weights(scores.masked_fill(~allowed, 0.0), variant, mask=allowed, causal=True)
+    out, w = AttentionInterface()[f"attnlab_{variant}"](_CausalLayer(), q, k, v, mask, scaling=0.5)
+    torch.testing.assert_close(w, ref, rtol=0, atol=1e-6)  # returned unasked: they were computed
+    torch.testing.assert_close(out, (ref @ v.repeat_interleave(2, dim=1)).transpose(1, 2), rtol=0, atol=1e-6)
+    seen = []
+    run = interface._Run(settings=interface.VariantSettings(), capture=[],
+                         layer_hook=lambda *a: seen.append(a[-1]))
+    token = interface._ACTIVE.set(run)
+    try:
+        AttentionInterface()["attnlab_capture"](_CausalLayer(), q, k, v, mask, scaling=0.5)
+        plain = mask.clamp(max=0.0).masked_fill(allowed, 0.0)  # 0 and masked only: no bias
+        AttentionInterface()["attnlab_capture"](_CausalLayer(), q, k, v, plain, scaling=0.5)
+    finally:
+        interface._ACTIVE.reset(token)
+    c, c_plain = run.capture
+    assert c.scores_of.startswith("_CausalLayer") and c.scaling == 1.0 and c.causal
+    torch.testing.assert_close((c.query @ c.key.transpose(-1, -2))[..., allowed], scores[..., allowed],
+                               rtol=0, atol=1e-6)
+    assert torch.equal(c.mask.reshape(-1, N, N)[0], allowed)
+    assert torch.equal(seen[0][KWARG], mask) and KWARG not in seen[1]
+    assert c_plain.scores_of is None and torch.equal(c_plain.query, q)
+    with pytest.raises(hf.UnsupportedModelError, match="softcap and a position bias in its attention mask"):
+        AttentionInterface()[f"attnlab_{variant}"](_CausalLayer(), q, k, v, mask, scaling=0.5, softcap=2.0)
+
+
 # ----------------------------------------------------------------------------------------------
 # Score-level capture (attnlab/hf/capture/scores.py): the literal scores, every variant, the layouts
 # ----------------------------------------------------------------------------------------------
