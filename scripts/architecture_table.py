@@ -18,6 +18,11 @@ HEADER = (
 )
 
 
+def _noted(word: str, notes: list[str]) -> str:
+    """``word (note; note)``, or ``word`` alone."""
+    return f"{word} ({'; '.join(notes)})" if notes else word
+
+
 def architecture_table(archs) -> str:
     """The Markdown table (one row per ``conftest.Arch``), lines joined by newlines."""
     rows = []
@@ -27,14 +32,14 @@ def architecture_table(archs) -> str:
         elif a.seq2seq:
             cells = ("yes (encoder, decoder, cross)", a.swap, "no", a.masks)
         else:
-            analysis = "yes (scores at the module's softmax)" if a.scores else "yes"
-            swap = f"{a.swap} (softmax replaced)" if a.scores and a.swap == "yes" else a.swap
-            values = f"yes ({a.values} projections)"
+            analysis = ["scores at the module's softmax"] if a.scores else []
+            swap = ["softmax replaced"] if a.scores and a.swap == "yes" else []
+            values = [f"{a.values} projections"]
             if a.interface_from:  # the family moved to the AttentionInterface in that release
-                since = f"; from transformers {a.interface_from}: "
-                analysis, swap = f"{analysis[:-1]}{since}q and k)", f"{swap[:-1]}{since}the interface)"
-                values = f"{values[:-1]}{since}traced)"
-            cells = (analysis, swap, values, a.masks)
+                since = f"from transformers {a.interface_from}: "
+                analysis.append(since + "q and k"), swap.append(since + "the interface")
+                values.append(since + "traced")
+            cells = (_noted("yes", analysis), _noted(a.swap, swap), _noted("yes", values), a.masks)
         rows.append(f"| {a.name} | `{a.key}` | " + " | ".join(cells) + " |")
     return "\n".join((*HEADER, *rows))
 

@@ -42,7 +42,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from attnlab.hf.capture.mask_bias import KWARG, biased_scores, family_of, mask_bias
+from attnlab.hf.capture.mask_bias import KWARG, biased_scores, family_of, split_mask
 from attnlab.hf.capture.run_state import (  # noqa: F401  (re-exported)
     _ACTIVE,
     DEFAULT_ITERS,
@@ -97,16 +97,8 @@ def to_bool_mask(attention_mask: torch.Tensor | None, n_keys: int) -> torch.Tens
     :class:`UnsupportedModelError` here; the attention functions below take such a mask through
     attnlab/hf/capture/mask_bias.py first (the variants of S = scale q kᵀ + bias).
     """
-    if attention_mask is None:
-        return None
-    mask = attention_mask[..., :n_keys]
-    if mask.dtype == torch.bool:
-        return mask
-    if not mask.is_floating_point():
-        return mask != 0
-    allowed = mask == 0
-    blocked = mask <= torch.finfo(mask.dtype).min / 2
-    if not bool((allowed | blocked).all()):
+    allowed, bias = split_mask(attention_mask, n_keys)
+    if bias is not None:
         raise UnsupportedModelError(
             "the model adds a position bias to its attention scores (e.g. ALiBi or relative position "
             "buckets); attnlab variants support plain dot-product attention only"
@@ -202,11 +194,9 @@ def _variant_attention(variant: str):
                 "cached decoding); call the model with use_cache=False"
             )
         window = kwargs.get("sliding_window")
-        bias = mask_bias(attention_mask, N)  # (B, 1|H, M, N): a position bias in the mask, or None
-        if bias is None:
-            mask = _window_mask(to_bool_mask(attention_mask, N), causal, window, M, N, query.device)
-        else:  # (the bias's mask holds the window)
-            mask = None
+        mask, bias = split_mask(attention_mask, N)  # bias (B, 1|H, M, N): a position bias, or None
+        if bias is None:  # (a biased mask holds the window)
+            mask = _window_mask(mask, causal, window, M, N, query.device)
         causal = causal and M == N and M > 1
         params = {name: _layer_value(value, layer, query.shape[1]) for name, value in settings.items()}
         params = {name: value.to(query.device) if isinstance(value, torch.Tensor) else value
@@ -247,7 +237,7 @@ def _capture_attention(module, query, key, value, attention_mask, scaling=None, 
         causal = _is_causal(module, kwargs)
         softcap = kwargs.get("softcap")
         window = kwargs.get("sliding_window")
-        bias = mask_bias(attention_mask, key.shape[-2])
+        mask, bias = split_mask(attention_mask, key.shape[-2])
         if bias is not None:  # a position bias in the mask: the layer's scores S, keys I_N (mask_bias.py)
             scores = biased_scores(module, query.detach(), key.detach(), bias, scale, softcap)
             run.capture.append(scores_as_layer(scores, causal, family_of(module)))
@@ -256,7 +246,7 @@ def _capture_attention(module, query, key, value, attention_mask, scaling=None, 
                 CapturedLayer(
                     query=query.detach(),
                     key_heads=key.detach(),  # (B, H_kv, N, D): repeated only where a consumer needs it
-                    mask=to_bool_mask(attention_mask, key.shape[-2]),
+                    mask=mask,
                     scaling=scale,
                     causal=causal,
                     softcap=None if softcap is None else float(softcap),

@@ -18,21 +18,32 @@ from transformers.integrations.sdpa_attention import repeat_kv
 
 from attnlab.hf.capture.run_state import UnsupportedModelError
 
-__all__ = ["KWARG", "mask_bias", "biased_scores", "family_of"]
+__all__ = ["KWARG", "split_mask", "biased_scores", "family_of"]
 
 # the capture's layer hooks get the bias under this keyword: hooks that compute from q and k (the fused
 # analyses) decline such a layer; the value trace, which reads only values, takes it
 KWARG = "attnlab_mask_bias"
 
 
-def mask_bias(attention_mask: torch.Tensor | None, n_keys: int) -> torch.Tensor | None:
-    """The additive float mask (B, 1|H, M, n_keys) when it holds values other than 0 (attend) and
-    masked (<= finfo.min / 2, -inf): a position bias; else None (no mask, a boolean one, or 0/masked)."""
-    if attention_mask is None or not attention_mask.is_floating_point():
-        return None
+def split_mask(attention_mask: torch.Tensor | None,
+               n_keys: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """transformers' mask, read once -> (allowed, bias).
+
+    allowed: bool (B, 1|H, M, n_keys), True = may attend, or None (no mask). Boolean masks pass through,
+    integer ones are nonzero = attend, additive float ones are 0 = attend and masked <= finfo.min / 2
+    (or -inf). bias: the float mask itself when it also holds other values (a position bias), else None.
+    """
+    if attention_mask is None:
+        return None, None
     mask = attention_mask[..., :n_keys]
-    plain = (mask == 0) | (mask <= torch.finfo(mask.dtype).min / 2)
-    return None if bool(plain.all()) else mask
+    if mask.dtype == torch.bool:
+        return mask, None
+    if not mask.is_floating_point():
+        return mask != 0, None
+    allowed, blocked = mask == 0, mask <= torch.finfo(mask.dtype).min / 2
+    if bool((allowed | blocked).all()):
+        return allowed, None
+    return ~blocked, mask
 
 
 def biased_scores(module, query: torch.Tensor, key: torch.Tensor, bias: torch.Tensor, scale: float,
