@@ -627,6 +627,40 @@ def _literal_head_swap(model, ids, target, variant: str, causal: bool, lm: bool)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("key, overrides", [("gemma2", {}), ("falcon", dict(alibi=True, multi_query=False))],
+                         ids=["gemma2-softcap-window", "falcon-alibi"])
+def test_head_interventions_under_softcap_window_and_mask_bias_equal_the_literal_one_head_swap(
+        key, overrides, tmp_path):
+    """Per-head interventions through attnlab_intervene on Gemma 2 (a logit softcap, which SDPA refuses,
+    and a sliding window of 8 keys over 12 tokens in layer 0) and on ALiBi Falcon (its bias inside the
+    additive mask from transformers 5.25; at its softmax before): the log-likelihood change of each
+    swap, as the literal one-head swap of the model's eager softmax."""
+    import transformers
+
+    from attnlab.hf.beyond import interventions as iv
+
+    build_tiny_model(key, tmp_path)
+    vocab = len(hf.load_model(tmp_path).tokenizer)
+    torch.manual_seed(0)
+    cls = {"gemma2": "Gemma2ForCausalLM", "falcon": "FalconForCausalLM"}[key]
+    model = getattr(transformers, cls)(_config(key, vocab, **overrides))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.5)
+    model.save_pretrained(tmp_path)
+    loaded = iv.load_with_lm_head(tmp_path)
+    ids = loaded.tokenizer(TEXT, return_tensors="pt")["input_ids"][:, :N_TOKENS]
+    result = iv.head_interventions(loaded, ids, "dnas", batch_size=3)
+    reference = getattr(transformers, cls).from_pretrained(tmp_path, attn_implementation="eager").eval()
+    base = _literal_head_swap(reference, ids, None, "dnas", True, True)
+    assert result.baseline["loglik_per_token"] == pytest.approx(float(base), abs=1e-5)
+    for layer, head in ((0, 0), (0, 3), (1, 2)):
+        y = _literal_head_swap(reference, ids, (layer, head), "dnas", True, True)
+        assert float(result.measures["loglik_change"][layer, head]) == pytest.approx(float(y - base), abs=1e-5)
+    assert float(result.measures["loglik_change"].abs().max()) > 1e-4  # DNAS changes something
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("key", ["mpnet", "deberta-v2", "bloom"])
 def test_head_interventions_on_score_captured_families_equal_the_literal_one_head_swap(key, tmp_path):
     """Per-head interventions at the module's softmax (attnlab/hf/beyond/head_swaps.py): encoders' hidden

@@ -34,10 +34,11 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from attnlab.hf.capture.interface import UnsupportedModelError, to_bool_mask
+from attnlab.hf.capture.interface import UnsupportedModelError, softcapped_weights, window_mask
+from attnlab.hf.capture.mask_bias import biased_scores, split_mask
 from attnlab.hf.capture.score_adapters import adapter_for
 from attnlab.hf.capture.scores import observe_softmax, variant_weights
 from attnlab.normalizers import attend
@@ -64,43 +65,76 @@ class SwapPlan:
 _PLAN: contextvars.ContextVar[SwapPlan | None] = contextvars.ContextVar("attnlab_intervene", default=None)
 
 
+def _own_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs) -> torch.Tensor:
+    """The model's attention, (B, M, H, D): transformers' SDPA function, or, for a layer with a logit
+    softcap (Gemma 2, which SDPA refuses), softmax(cap tanh(s / cap) + mask) v as its eager attention."""
+    softcap = kwargs.get("softcap")
+    if softcap is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )[0]
+    n_rep = getattr(module, "num_key_value_groups", 1)
+    key, value = repeat_kv(key, n_rep), repeat_kv(value, n_rep)  # (B, H, N, D)
+    M, N = query.shape[-2], key.shape[-2]
+    causal = _causal(module, kwargs, M, N)
+    mask, bias = split_mask(attention_mask, N)
+    if bias is not None:  # a softcap beside a position bias: refused, with biased_scores' message
+        biased_scores(module, query, key, bias, 1.0, softcap)
+    mask = window_mask(mask, causal, kwargs.get("sliding_window"), M, N, query.device)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    weights = softcapped_weights(query, key, "unas", float(softcap), mask, causal, scale, {})
+    return torch.matmul(weights, value).transpose(1, 2).contiguous()
+
+
+def _causal(module, kwargs, M: int, N: int) -> bool:
+    causal = kwargs.get("is_causal")
+    return bool(getattr(module, "is_causal", False) if causal is None else causal) and M == N and M > 1
+
+
 def _intervene_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """query (B, H, M, D); key, value (B, H_kv, N, D) -> (B, M, H, D). Unmodified forward: the model's
-    SDPA attention, recorded per layer. At the swapped layer (where every batch element's q, k, v are
-    the unmodified ones): the recorded output, head h_b of element b recomputed with the variant."""
+    attention (:func:`_own_attention`), recorded per layer. At the swapped layer (where every batch
+    element's q, k, v are the unmodified ones): the recorded output, head h_b of element b recomputed
+    with the variant, under the layer's mask, sliding window and softcap; a position bias in the mask
+    (Falcon's ALiBi, transformers >= 5.25) makes it the variant of S = scale q k^T + bias."""
     kwargs.pop("output_attentions", None)
     plan = _PLAN.get()
     layer = None if plan is None else plan.layer_of.setdefault(id(module), len(plan.layer_of))
     if plan is None or plan.heads is None or layer != plan.layer:
-        out, _ = sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )  # (B, M, H, D)
+        out = _own_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs)
         if plan is not None and plan.heads is None:
             plan.attention_out[layer] = out.detach().clone()
         return out, None
     heads = torch.tensor(plan.heads, device=query.device)  # (B,)
     n_rep = getattr(module, "num_key_value_groups", 1)
     M, N = query.shape[-2], key.shape[-2]
-    causal = kwargs.get("is_causal")
-    causal = bool(getattr(module, "is_causal", False) if causal is None else causal) and M == N and M > 1
-    mask = to_bool_mask(attention_mask, N)  # (B | 1, 1 | H, M, N) or None
-    if mask is not None:
-        mask = mask[:1] if mask.shape[1] == 1 else mask[:1, heads]  # (1, 1 | B, M, N)
+    causal = _causal(module, kwargs, M, N)
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    swapped = attend(
-        query[:1, heads],  # (1, B, M, D): the B swapped heads side by side (batch rows are equal)
-        key[:1, heads // n_rep],
-        value[:1, heads // n_rep],
-        plan.variant,
-        mask=mask,
-        causal=causal,
-        scale=scale,
-        **plan.params,
-    )[0]  # (B, M, D)
+    softcap = kwargs.get("softcap")
+    # the B swapped heads side by side (batch rows are equal): q (1, B, M, D), k and v (1, B, N, D)
+    q, k, v = query[:1, heads], key[:1, heads // n_rep], value[:1, heads // n_rep]
+    mask, bias = split_mask(attention_mask, N)  # (B | 1, 1 | H, M, N) each, or None
+
+    def of_heads(t):  # (1, 1 | B, M, N)
+        return t[:1] if t.shape[1] == 1 else t[:1, heads]
+
+    if bias is not None:
+        scores = biased_scores(module, q, k, of_heads(bias), scale, softcap)  # (1, B, M, N)
+        weights = variant_weights(scores, plan.variant, causal, None, dict(plan.params), torch.float32)
+        swapped = torch.matmul(weights, v.float())[0]
+    else:
+        mask = window_mask(None if mask is None else of_heads(mask), causal, kwargs.get("sliding_window"),
+                           M, N, query.device)
+        if softcap is not None:
+            weights = softcapped_weights(q, k, plan.variant, float(softcap), mask, causal, scale,
+                                         dict(plan.params))
+            swapped = torch.matmul(weights, v)[0]
+        else:
+            swapped = attend(q, k, v, plan.variant, mask=mask, causal=causal, scale=scale, **plan.params)[0]
     base = plan.attention_out[layer]  # (1, M, H, D)
     # (B, M, H, D), a copy (never written into the recording, also when B = 1)
     out = base.expand(len(heads), *base.shape[1:]).clone(memory_format=torch.contiguous_format)
-    out[torch.arange(len(heads), device=out.device), :, heads] = swapped.to(out.dtype)
+    out[torch.arange(len(heads), device=out.device), :, heads] = swapped.to(out.dtype)  # swapped (B, M, D)
     return out, None
 
 

@@ -76,6 +76,8 @@ __all__ = [
     "register_attention_functions",
     "implementation_name",
     "use_variant",
+    "window_mask",
+    "softcapped_weights",
     "capture_qk",
     "to_bool_mask",
 ]
@@ -151,7 +153,7 @@ def _refuse_unmodelled(module: torch.nn.Module, kwargs: dict, what: str) -> None
             )
 
 
-def _window_mask(mask: torch.Tensor | None, causal: bool, window: int | None, M: int, N: int,
+def window_mask(mask: torch.Tensor | None, causal: bool, window: int | None, M: int, N: int,
                  device) -> torch.Tensor | None:
     """The layer's mask with its sliding window: keys with i - j >= window masked (queries at the end of
     the keys, Gemma 2's and Mistral's rule). transformers' mask already holds the window when it is
@@ -167,7 +169,7 @@ def _window_mask(mask: torch.Tensor | None, causal: bool, window: int | None, M:
     return (j <= i) & (i - j < window)  # (M, N)
 
 
-def _softcapped_weights(query, key, variant: str, softcap: float, mask, causal: bool, scale: float,
+def softcapped_weights(query, key, variant: str, softcap: float, mask, causal: bool, scale: float,
                         params: dict) -> torch.Tensor:
     """A variant's weights over capped scores: s = softcap * tanh(scale * q k^T / softcap), then the
     variant's normalizer (as the model's eager attention caps before its softmax). query (B, H, M, D),
@@ -196,7 +198,7 @@ def _variant_attention(variant: str):
         window = kwargs.get("sliding_window")
         mask, bias = split_mask(attention_mask, N)  # bias (B, 1|H, M, N): a position bias, or None
         if bias is None:  # (a biased mask holds the window)
-            mask = _window_mask(mask, causal, window, M, N, query.device)
+            mask = window_mask(mask, causal, window, M, N, query.device)
         causal = causal and M == N and M > 1
         params = {name: _layer_value(value, layer, query.shape[1]) for name, value in settings.items()}
         params = {name: value.to(query.device) if isinstance(value, torch.Tensor) else value
@@ -209,7 +211,7 @@ def _variant_attention(variant: str):
             scores = biased_scores(module, query, key, bias, scale, softcap)  # (B, H, M, N)
             weights = variant_weights(scores, variant, causal, None, params, query.dtype)
         elif softcap is not None:  # Gemma 2: s -> cap * tanh(s / cap) before the variant's normalizer
-            weights = _softcapped_weights(query, key, variant, float(softcap), mask, causal, scale, params)
+            weights = softcapped_weights(query, key, variant, float(softcap), mask, causal, scale, params)
         elif not (want or p > 0):
             kw = dict(mask=mask, causal=causal, scale=scale, **params)
             return attend(query, key, value, variant, **kw).transpose(1, 2).contiguous(), None
