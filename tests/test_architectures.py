@@ -656,7 +656,8 @@ def test_head_interventions_under_softcap_window_and_mask_bias_equal_the_literal
     assert result.baseline["loglik_per_token"] == pytest.approx(float(base), abs=1e-5)
     for layer, head in ((0, 0), (0, 3), (1, 2)):
         y = _literal_head_swap(reference, ids, (layer, head), "dnas", True, True)
-        assert float(result.measures["loglik_change"][layer, head]) == pytest.approx(float(y - base), abs=1e-5)
+        got = float(result.measures["loglik_change"][layer, head])
+        assert got == pytest.approx(float(y - base), abs=1e-5)
     assert float(result.measures["loglik_change"].abs().max()) > 1e-4  # DNAS changes something
 
 
