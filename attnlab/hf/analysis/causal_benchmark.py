@@ -107,7 +107,8 @@ def peak_growth(directory: str, n: int) -> dict:
 def benchmark_causal(shape: str = "llama", sizes=(512, 2048, 8192), repeats: int = 3, memory: bool = True,
                      directory: str | None = None) -> dict:
     """{N: {forward_s, analyse_s, ratio_to_forward, peak_growth_mib}} for the ``shape`` model (medians of
-    ``repeats`` interleaved runs; 1 run from N = 4096 on, where one analysis takes minutes)."""
+    ``repeats`` interleaved runs; at most 3 from N = 4096 on, where one analysis takes half a minute on 2
+    cores: single runs there varied by 15 % on a virtual machine, docs/BENCHMARKS.md)."""
     from attnlab import hf
 
     sizes = tuple(int(n) for n in sizes)
@@ -118,7 +119,7 @@ def benchmark_causal(shape: str = "llama", sizes=(512, 2048, 8192), repeats: int
            "variants": list(hf.analyze("warm up", loaded).variants), "sizes": {}}
     for n in sizes:
         text, ids = _text_of(loaded, n)
-        reps = repeats if n < 4096 else 1
+        reps = repeats if n < 4096 else min(repeats, 3)
 
         def forward(ids=ids):
             with torch.no_grad():
