@@ -446,12 +446,14 @@ def test_swapped_variants_take_the_softcap_and_the_window(variant):
 
 
 @pytest.mark.parametrize("name", ["s_aux", "sinks", "position_bias"])
-@pytest.mark.parametrize("impl", ["attnlab_unas", "attnlab_dnas", "attnlab_capture"])
+@pytest.mark.parametrize("impl", ["attnlab_unas", "attnlab_dnas", "attnlab_capture", "attnlab_intervene"])
 def test_terms_the_variants_do_not_model_are_refused_with_their_name(name, impl):
     """Attention sinks and additive position biases handed to the attention function: a worded
-    UnsupportedModelError in swap and recompute mode, never a silently different attention."""
+    UnsupportedModelError in swap and recompute mode and in per-head interventions, never a silently
+    different attention."""
     from transformers import AttentionInterface
 
+    from attnlab.hf.beyond import head_swaps  # noqa: F401  (registers attnlab_intervene)
     from attnlab.hf.capture import interface
 
     hf.register_attention_functions()

@@ -37,7 +37,13 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from attnlab.hf.capture.interface import UnsupportedModelError, softcapped_weights, window_mask
+from attnlab.hf.capture.interface import (
+    UnsupportedModelError,
+    is_causal,
+    refuse_unmodelled,
+    softcapped_weights,
+    window_mask,
+)
 from attnlab.hf.capture.mask_bias import biased_scores, split_mask
 from attnlab.hf.capture.score_adapters import adapter_for
 from attnlab.hf.capture.scores import observe_softmax, variant_weights
@@ -87,8 +93,7 @@ def _own_attention(module, query, key, value, attention_mask, scaling, dropout, 
 
 
 def _causal(module, kwargs, M: int, N: int) -> bool:
-    causal = kwargs.get("is_causal")
-    return bool(getattr(module, "is_causal", False) if causal is None else causal) and M == N and M > 1
+    return is_causal(module, kwargs) and M == N and M > 1
 
 
 def _intervene_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -98,6 +103,7 @@ def _intervene_attention(module, query, key, value, attention_mask, scaling=None
     with the variant, under the layer's mask, sliding window and softcap; a position bias in the mask
     (Falcon's ALiBi, transformers >= 5.25) makes it the variant of S = scale q k^T + bias."""
     kwargs.pop("output_attentions", None)
+    refuse_unmodelled(module, kwargs, INTERVENE)  # attention sinks, a position_bias: never ignored
     plan = _PLAN.get()
     layer = None if plan is None else plan.layer_of.setdefault(id(module), len(plan.layer_of))
     if plan is None or plan.heads is None or layer != plan.layer:

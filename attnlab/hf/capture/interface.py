@@ -78,6 +78,8 @@ __all__ = [
     "use_variant",
     "window_mask",
     "softcapped_weights",
+    "is_causal",
+    "refuse_unmodelled",
     "capture_qk",
     "to_bool_mask",
 ]
@@ -130,7 +132,7 @@ def _mask_function(*args, attention_mask=None, **kwargs):
 # ----------------------------------------------------------------------------------------------
 
 
-def _is_causal(module: torch.nn.Module, kwargs: dict) -> bool:
+def is_causal(module: torch.nn.Module, kwargs: dict) -> bool:
     causal = kwargs.get("is_causal")
     return bool(getattr(module, "is_causal", False) if causal is None else causal)
 
@@ -143,7 +145,7 @@ _UNMODELLED = {
 }
 
 
-def _refuse_unmodelled(module: torch.nn.Module, kwargs: dict, what: str) -> None:
+def refuse_unmodelled(module: torch.nn.Module, kwargs: dict, what: str) -> None:
     """UnsupportedModelError naming the module and the term when the call adds one attnlab does not model."""
     for name, term in _UNMODELLED.items():
         if kwargs.get(name) is not None:
@@ -154,7 +156,7 @@ def _refuse_unmodelled(module: torch.nn.Module, kwargs: dict, what: str) -> None
 
 
 def window_mask(mask: torch.Tensor | None, causal: bool, window: int | None, M: int, N: int,
-                 device) -> torch.Tensor | None:
+                device) -> torch.Tensor | None:
     """The layer's mask with its sliding window: keys with i - j >= window masked (queries at the end of
     the keys, Gemma 2's and Mistral's rule). transformers' mask already holds the window when it is
     given; None (the causal fast path) gets it here when the window cuts into the span.
@@ -170,7 +172,7 @@ def window_mask(mask: torch.Tensor | None, causal: bool, window: int | None, M: 
 
 
 def softcapped_weights(query, key, variant: str, softcap: float, mask, causal: bool, scale: float,
-                        params: dict) -> torch.Tensor:
+                       params: dict) -> torch.Tensor:
     """A variant's weights over capped scores: s = softcap * tanh(scale * q k^T / softcap), then the
     variant's normalizer (as the model's eager attention caps before its softmax). query (B, H, M, D),
     key (B, H, N, D) -> (B, H, M, N) in the query's dtype."""
@@ -182,14 +184,14 @@ def softcapped_weights(query, key, variant: str, softcap: float, mask, causal: b
 def _variant_attention(variant: str):
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         # query (B, H, M, D); key, value (B, H_kv, N, D)
-        _refuse_unmodelled(module, kwargs, f"attnlab_{variant}")
+        refuse_unmodelled(module, kwargs, f"attnlab_{variant}")
         run = _ACTIVE.get()
         layer = _next_layer(run)
         settings = _settings_for(module, run, kwargs)
         n_rep = getattr(module, "num_key_value_groups", 1)
         key, value = repeat_kv(key, n_rep), repeat_kv(value, n_rep)  # (B, H, N, D)
         M, N = query.shape[-2], key.shape[-2]
-        causal = _is_causal(module, kwargs)
+        causal = is_causal(module, kwargs)
         if causal and M != N and variant != "unas":
             raise UnsupportedModelError(
                 f"attnlab_{variant} runs full-sequence forwards only (got {M} queries for {N} keys, i.e. "
@@ -233,10 +235,10 @@ def _capture_attention(module, query, key, value, attention_mask, scaling=None, 
     run's ``layer_hook``, the output it gives)."""
     run = _ACTIVE.get()
     if run is not None and run.capture is not None:
-        _refuse_unmodelled(module, kwargs, "the recompute mode's captured q kᵀ")
+        refuse_unmodelled(module, kwargs, "the recompute mode's captured q kᵀ")
         n_rep = getattr(module, "num_key_value_groups", 1)
         scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
-        causal = _is_causal(module, kwargs)
+        causal = is_causal(module, kwargs)
         softcap = kwargs.get("softcap")
         window = kwargs.get("sliding_window")
         mask, bias = split_mask(attention_mask, key.shape[-2])
