@@ -292,6 +292,9 @@ def test_click_to_focus_and_reload_keep_the_view(server):
         _click_heatmap_cell(page, 8, 3)
         _wait_view(page, "inspect_heatmap", "v.dataset.focus === ''")
         _wait_view(page, "inspect_model_view", "v.dataset.focus === ''")
+        # the URL drops the focus when the rerun the click started has run (_idle alone can look before
+        # that run begins, on a loaded machine): wait for the URL itself, then for the run to be over
+        page.wait_for_function("() => !location.search.includes('focus=')", timeout=60_000)
         _idle(page)
         assert "focus=" not in page.url
         assert "Click a token" in page.locator('[data-testid="stMain"]').inner_text()
