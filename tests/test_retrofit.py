@@ -352,10 +352,10 @@ def test_a_shell_started_retrofit_run_counts_as_running_while_it_writes(tmp_path
 
     monkeypatch.setenv("ATTNLAB_RUNS_DIR", str(tmp_path))
     train_hf(_config(lm_dirs["gpt2"], steps=4), tmp_path / "r", text=TEXT, progress=False, stop_after=2)
-    assert [r.status for r in runs.list_retrofit_runs()] == ["running"]  # metrics written just now
+    assert [r.status for r in runs.recipe_runs()[0]] == ["running"]  # metrics written just now
     old = time.time() - 2 * runs.RECENT_S
     os.utime(tmp_path / "r" / "metrics.jsonl", (old, old))
-    assert [r.status for r in runs.list_retrofit_runs()] == ["stopped"]
+    assert [r.status for r in runs.recipe_runs()[0]] == ["stopped"]
 
 
 def test_u_by_layer_averages_heads_and_gives_a_t_interval_over_runs(tmp_path, lm_dirs):

@@ -30,11 +30,12 @@ sources = {f"{p.name} (shipped)": p for p in sorted(CHECKPOINTS.glob("*")) if (p
 sources |= {f"{r.name} (run, {r.status})": r.dir for r in runs.list_runs()}
 # a retrofit of a pretrained model, or HNAS in an encoder-decoder's encoder (recipe s2s-hnas)
 KIND_LABEL = {"retrofit-hnas": "retrofit", "s2s-hnas": "seq2seq encoder"}
-for r in runs.list_retrofit_runs():
+retrofits, command_line = runs.recipe_runs()  # one scan of the runs folder
+for r in retrofits:
     kind = KIND_LABEL.get(recipe_file_kind(r.dir / "recipe.json"), "retrofit")
     sources[f"{r.dir.relative_to(runs.runs_dir())} ({kind}, {r.status})"] = r.dir
 sources |= {f"{r.dir.relative_to(runs.runs_dir())} (command-line run, {r.status})": r.dir
-            for r in runs.list_cli_runs()}
+            for r in command_line}
 options = [*sources, UPLOAD]
 choice = st.selectbox(
     "Run or checkpoint",

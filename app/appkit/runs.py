@@ -129,28 +129,23 @@ def _writing(run_dir: Path, logged: int, steps: int) -> bool:
         return False
 
 
-def list_retrofit_runs() -> list[Run]:
-    """Runs of ``attnlab train --recipe retrofit-hnas --out <runs dir>/NAME`` or ``<runs dir>/GROUP/NAME``
-    (their recipe.json's kind), newest first: the Hybrid weights page shows their u."""
+def recipe_runs() -> tuple[list[Run], list[Run]]:
+    """(retrofit runs, command-line runs) of ``attnlab train --out <runs dir>/NAME`` or
+    ``<runs dir>/GROUP/NAME``, each newest first, from one scan of the runs folder for recipe.json:
+
+    - retrofits (``--recipe retrofit-hnas``, ``s2s-hnas``: their recipe.json's kind), whose u the Hybrid
+      weights page shows;
+    - runs started from a shell (a recipe.json and metrics.jsonl, no app config; retrofits excepted),
+      e.g. scripts/hnas_scale.sh's runs/hnas-scale/enc8-hnas-s0, shown there while they train."""
     from attnlab.train.retrofit import is_retrofit_run
 
     root = runs_dir()
     found = [*root.glob("*/recipe.json"), *root.glob("*/*/recipe.json")] if root.is_dir() else []
-    dirs = [p.parent for p in found if is_retrofit_run(p.parent)]
-    return [inspect(p) for p in sorted(dirs, key=lambda p: p.stat().st_mtime, reverse=True)]
-
-
-def list_cli_runs() -> list[Run]:
-    """Runs of ``attnlab train --out <runs dir>/NAME`` or ``<runs dir>/GROUP/NAME`` started from a shell
-    (a recipe.json, no app config; retrofits excepted), newest first: e.g. scripts/hnas_scale.sh's
-    runs/hnas-scale/enc8-hnas-s0, shown on the Hybrid weights page while they train."""
-    from attnlab.train.retrofit import is_retrofit_run
-
-    root = runs_dir()
-    found = [*root.glob("*/recipe.json"), *root.glob("*/*/recipe.json")] if root.is_dir() else []
-    dirs = [p.parent for p in found if not (p.parent / CONFIG).is_file() and not is_retrofit_run(p.parent)
-            and (p.parent / "metrics.jsonl").is_file()]
-    return [inspect(p) for p in sorted(dirs, key=lambda p: p.stat().st_mtime, reverse=True)]
+    dirs = sorted((p.parent for p in found), key=lambda p: p.stat().st_mtime, reverse=True)
+    retrofit = [p for p in dirs if is_retrofit_run(p)]
+    cli = [p for p in dirs
+           if p not in retrofit and not (p / CONFIG).is_file() and (p / "metrics.jsonl").is_file()]
+    return [inspect(p) for p in retrofit], [inspect(p) for p in cli]
 
 
 def list_runs() -> list[Run]:
