@@ -414,6 +414,38 @@ def test_load_language_model_keeps_the_tokenizer_class_note(tmp_path):
     assert lm.notes == base.notes and len(noted) == 1 and "BertTokenizer" in noted[0]
 
 
+def test_a_tokenizer_declaring_fewer_tokens_than_the_positions_does_not_cap_windows(tmp_path, tiny_model_dir):
+    """The model's position table is its limit; a tokenizer's shorter model_max_length (advisory, often
+    copied from another model's tokenizer) is noted, and no longer cuts a causal text into windows. A
+    model without positions (T5's relative buckets) keeps to its tokenizer's."""
+    from conftest import TINY_POSITIONS, _bpe_tokenizer
+    from transformers import AutoModel
+
+    positions = TINY_POSITIONS + 40
+    tokenizer = _bpe_tokenizer("llama")  # model_max_length = TINY_POSITIONS
+    torch.manual_seed(0)
+    config = _config("llama", len(tokenizer), max_position_embeddings=positions)
+    AutoModel.from_config(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    loaded = hf.load_model(tmp_path)
+    assert loaded.info.max_length == positions
+    noted = [n for n in loaded.notes if "model_max_length" in n]
+    assert len(noted) == 1 and f"model_max_length={TINY_POSITIONS}" in noted[0] and str(positions) in noted[0]
+    ids = tokenizer("the cat sat on the mat and looked at the dog " * 5)["input_ids"]
+    assert TINY_POSITIONS < len(ids) <= positions
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    result = hf.analyze(text, loaded, ["unas"])
+    assert len(result.windows) == 1 and result.windows[0].weights["unas"].shape[-1] == len(ids)
+    assert noted[0] in result.notes
+    # asked for, the tokenizer's windows
+    assert len(hf.analyze(text, loaded, ["unas"], window=TINY_POSITIONS).windows) == 2
+    with pytest.raises(ValueError, match=rf"window must be an integer in \[1, {positions}\]"):
+        hf.analyze(text, loaded, ["unas"], window=positions + 1)
+    # a tokenizer declaring as many tokens as the positions: no note; no positions: the tokenizer's
+    assert not [n for n in hf.load_model(tiny_model_dir("llama")).notes if "model_max_length" in n]
+    assert hf.load_model(tiny_model_dir("t5")).info.max_length == TINY_POSITIONS
+
+
 # ----------------------------------------------------------------------------------------------
 # Swap mode's attention functions: the keyword arguments transformers hands them
 # ----------------------------------------------------------------------------------------------

@@ -269,7 +269,15 @@ def _quiet_transformers():
         hf_logging.set_verbosity(verbosity)
 
 
-def _max_length(config, tokenizer) -> int:
+def _max_length(config, tokenizer) -> tuple[int, str | None]:
+    """(the longest input the model takes, special tokens included; a note or None).
+
+    The model's own limit is its position table (``max_position_embeddings`` and its aliases; less
+    RoBERTa-style offsets). A tokenizer's ``model_max_length`` is advisory (transformers only warns past
+    it), and is often copied from another model's tokenizer: it is the limit only for a model that
+    declares no positions (T5's relative buckets). Where it declares fewer tokens than the model's
+    positions, the note says so: windows may still take the model's whole context.
+    """
     positions = None
     for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = getattr(config, attr, None)
@@ -280,10 +288,15 @@ def _max_length(config, tokenizer) -> int:
         positions -= (getattr(config, "pad_token_id", None) or 1) + 1
     tok_max = getattr(tokenizer, "model_max_length", None)
     tok_max = tok_max if isinstance(tok_max, int) and 0 < tok_max < 1_000_000 else None
-    candidates = [x for x in (positions, tok_max) if x is not None]
-    if not candidates:
-        raise ModelLoadError(f"cannot tell the maximum input length of the {config.model_type} model")
-    return min(candidates)
+    if positions is None:
+        if tok_max is None:
+            raise ModelLoadError(f"cannot tell the maximum input length of the {config.model_type} model")
+        return tok_max, None
+    if tok_max is None or tok_max >= positions:
+        return positions, None
+    return positions, (f"the tokenizer declares model_max_length={tok_max:,}, fewer than the model's "
+                       f"{positions:,} positions: inputs may take up to {positions:,} tokens (the model's "
+                       f"limit); windows of {tok_max:,} tokens keep to the tokenizer's")
 
 
 def _probe(model, tokenizer, device: torch.device) -> list:
@@ -371,14 +384,16 @@ def _load(directory: Path, embedded: bool, device: torch.device) -> LoadedModel:
     if getattr(config, "is_encoder_decoder", False):  # three kinds of attention (attnlab/hf/load/seq2seq.py)
         from attnlab.hf.load.seq2seq import seq2seq_info
 
-        info = seq2seq_info(directory, model, tokenizer, config, _max_length(config, tokenizer), device)
-        note = _tokenizer_note(directory, tokenizer, config.model_type)
-        return LoadedModel(model=model, tokenizer=tokenizer, info=info, notes=(note,) if note else ())
+        max_length, length_note = _max_length(config, tokenizer)
+        info = seq2seq_info(directory, model, tokenizer, config, max_length, device)
+        notes = (_tokenizer_note(directory, tokenizer, config.model_type), length_note)
+        return LoadedModel(model=model, tokenizer=tokenizer, info=info, notes=tuple(n for n in notes if n))
     try:
         captured = _probe(model, tokenizer, device)
     except UnsupportedModelError as e:
         raise ModelLoadError(f"unsupported model in {directory}: {e}") from None
     first = captured[0]
+    max_length, length_note = _max_length(config, tokenizer)
     info = ModelInfo(
         path=str(directory.resolve()),
         name=EMBEDDED_NAME if embedded else directory.resolve().name,
@@ -387,12 +402,12 @@ def _load(directory: Path, embedded: bool, device: torch.device) -> LoadedModel:
         n_layers=len(captured),
         n_heads=first.query.shape[1],
         n_kv_heads=_kv_heads(model, config, first),
-        max_length=_max_length(config, tokenizer),
+        max_length=max_length,
         causal=first.causal,
         embedded=embedded,
     )
-    note = _tokenizer_note(directory, tokenizer, config.model_type)
-    return LoadedModel(model=model, tokenizer=tokenizer, info=info, notes=(note,) if note else ())
+    notes = (_tokenizer_note(directory, tokenizer, config.model_type), length_note)
+    return LoadedModel(model=model, tokenizer=tokenizer, info=info, notes=tuple(n for n in notes if n))
 
 
 def _kv_heads(model, config, first) -> int:
