@@ -27,8 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for flag in param_flags():  # one flag per variant parameter of the registry
         add(f"--{flag.name.replace('_', '-')}", dest=f"param_{flag.name}", type=flag.kind, default=None,
             help=f"{flag.help} ({', '.join(flag.variants)}; default: {flag.default})")
-    add("--window", type=int, default=None, help="tokens per window incl. special tokens (default: "
-        "the model's max length, at most 512)")
+    add("--window", type=int, default=None, help="tokens per window incl. special tokens (default: as "
+        "attnlab analyze: a causal model's whole context up to its maximum positions; otherwise the "
+        "model's max length, at most 512)")
     add("--overlap", type=int, default=None, help="text tokens shared by consecutive windows")
     add("--max-docs", type=int, default=None, help="analyse only the first N documents")
     add("--text-column", default="text", help="text column of .jsonl/.csv/.parquet (default: text)")
