@@ -11,7 +11,7 @@ import importlib
 import os
 import sys
 
-from attnlab.cli_errors import EXIT_BAD_INPUT, error
+from attnlab.cli_errors import EXIT_BAD_INPUT, error, worded_warnings
 from attnlab.schema import check_threads, max_threads
 
 # Idle OpenMP threads that spin slow small torch ops down 10-60x on a shared 2-core machine; read when
@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:  # before any thread pool is sized from it
             error(args.command, e)
             return EXIT_BAD_INPUT
-    return int(importlib.import_module(COMMANDS[args.command][0]).run(args) or 0)
+    with worded_warnings(args.command):
+        return int(importlib.import_module(COMMANDS[args.command][0]).run(args) or 0)
 
 
 if __name__ == "__main__":

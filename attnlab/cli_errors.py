@@ -3,20 +3,48 @@ unless ``ATTNLAB_DEBUG`` is set. Shared by ``attnlab analyze`` and ``attnlab cor
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERNAL = 1
 EXIT_INTERRUPTED = 130
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_INTERNAL", "EXIT_INTERRUPTED", "error", "run_worded"]
+__all__ = ["EXIT_BAD_INPUT", "EXIT_INTERNAL", "EXIT_INTERRUPTED", "error", "run_worded", "worded_warnings"]
+
+_OWN = ("attnlab: ", "attnlab.hf: ")  # how attnlab's own warnings begin
 
 
 def error(command: str, message) -> None:
     """``attnlab <command>: error: <message on one line>`` on stderr."""
     print(f"attnlab {command}: error: {' '.join(str(message).split())}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def worded_warnings(command: str) -> Iterator[None]:
+    """attnlab's own warnings (a variant's weights materialized, the CPU kernels unavailable, ...) as
+    ``attnlab <command>: note: <message>`` lines on stderr, like the commands' other notes, instead of
+    Python's ``file:line: UserWarning:`` and the source line. Other packages' warnings show as Python
+    shows them."""
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        text = " ".join(str(message).split())
+        own = next((p for p in _OWN if text.startswith(p)), None)
+        if own is None:
+            return shown(message, category, filename, lineno, file, line)
+        from tqdm import tqdm  # above a progress bar, not inside its line
+
+        tqdm.write(f"attnlab {command}: note: {text.removeprefix(own)}", file=sys.stderr)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
 
 
 def run_worded(command: str, run: Callable[[], int], interrupted: str) -> int:

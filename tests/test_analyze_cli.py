@@ -261,3 +261,35 @@ def test_u_from_a_trained_checkpoint(tmp_path, capsys, tiny_model_dir, minilm):
     rc, err = _run([*base, "--out", tmp_path / "other", "--mode", "swap"], capsys)  # MiniLM: 6 x 12
     assert rc == 0, err
     assert "using its mean u" in err
+
+
+def test_attnlabs_own_warnings_print_as_the_commands_notes(tmp_path, capsys, minilm, monkeypatch):
+    """A warning of attnlab's own on the command line is one ``attnlab <command>: note:`` line (not
+    Python's ``file:line: UserWarning:`` and the source line); another package's shows as Python shows it,
+    and the handler is put back after the command."""
+    import warnings
+
+    from attnlab.cli_errors import worded_warnings
+    from attnlab.hf.compute import weights
+
+    monkeypatch.setattr(weights, "_noted", set())  # the once-per-process warning, afresh
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT, encoding="utf-8")
+    before = warnings.showwarning
+    # Sinkhorn with a tolerance: no fused analysis path, a warning of attnlab.hf's
+    rc, err = _run([text, "--variants", "sinkhorn", "--tol", "0.01", "--no-figures", "--out", tmp_path / "o"],
+                   capsys)
+    assert rc == 0 and warnings.showwarning is before
+    noted = [ln for ln in err.splitlines() if "fused analysis path" in ln]
+    assert len(noted) == 1 and noted[0].startswith("attnlab analyze: note: variant 'sinkhorn' has no fused "
+                                                   "analysis path"), err
+    assert "UserWarning" not in err and "Traceback" not in err
+    with warnings.catch_warnings(record=True) as caught:  # Python's own showing, recorded
+        warnings.simplefilter("always")
+        with worded_warnings("corpus"):
+            warnings.warn("attnlab.hf: variant 'x' has no fused analysis path;\n   its weights ...",
+                          stacklevel=1)
+            warnings.warn("a foreign message", DeprecationWarning, stacklevel=1)
+    err = capsys.readouterr().err
+    assert err == "attnlab corpus: note: variant 'x' has no fused analysis path; its weights ...\n"
+    assert [(w.category, str(w.message)) for w in caught] == [(DeprecationWarning, "a foreign message")]
