@@ -33,6 +33,7 @@ import torch
 
 from attnlab import stats
 from attnlab.stats import check_eps, check_weights
+from attnlab.stats._checks import check_number
 
 __all__ = [
     "SINK_CHOICES",
@@ -45,6 +46,7 @@ __all__ = [
     "sink_importance",
     "importance_from_masses",
     "sink_rate",
+    "check_rate",
     "queries_per_key",
     "massive_activations",
 ]
@@ -217,15 +219,19 @@ def sink_rate(weights, eps: float = 0.3, causal: bool = True, position: int = 0,
     """Per layer, the share of heads whose :func:`sink_importance` of key ``position`` exceeds ``eps``
     (Gu et al. 2024 use eps = 0.3 and the first token): weights (L, H, M, N) -> (L,) float64. NaN
     importances count as not exceeding eps."""
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= float(eps) <= 1:
-        raise ValueError(f"eps must be a number in [0, 1], got {eps!r}")
     w = check_weights("weights", weights, min_dim=2)
     if w.dim() != 4:
         raise ValueError(f"weights must be (L, H, M, N), got shape {tuple(w.shape)}")
-    N = w.shape[-1]
-    if isinstance(position, bool) or not isinstance(position, int) or not -N <= position < N:
-        raise ValueError(f"position must be an integer in [-{N}, {N - 1}], got {position!r}")
+    eps, position = check_rate(eps, position, w.shape[-1])
     return rate_from_importance(sink_importance(w, causal, mask)[..., position], eps)
+
+
+def check_rate(eps, position, n_keys: int) -> tuple[float, int]:
+    """The sink rate's ``eps`` (a number in [0, 1]) and ``position`` (an integer in [-N, N - 1]),
+    Python or numpy numbers or 0-d tensors, as (float, int); else a ValueError naming the argument."""
+    eps = check_number("eps", eps, low=0.0, high=1.0)
+    position = check_number("position", position, low=-n_keys, high=n_keys - 1, integer=True)
+    return eps, position
 
 
 def rate_from_importance(importance: torch.Tensor, eps: float) -> torch.Tensor:

@@ -72,6 +72,30 @@ def test_sink_rate_and_importance_refuse_bad_arguments():
     assert torch.equal(got, torch.zeros(1, 4))
 
 
+def test_sink_rate_takes_numpy_and_tensor_numbers_and_lives_in_stats_too(tiny_model_dir, english_text):
+    """numpy scalars and 0-d tensors are ordinary eps and position values (docs/DESIGN.md §4), in
+    sinks.sink_rate and WindowResult.sink_rate alike; attnlab.stats.sink_importance / sink_rate (the
+    names the issue gave them) are attnlab.sinks' functions."""
+    import numpy as np
+
+    from attnlab import hf, stats
+
+    assert stats.sink_importance is sinks.sink_importance and stats.sink_rate is sinks.sink_rate
+    assert {"sink_importance", "sink_rate"} <= set(stats.__all__)
+    torch.manual_seed(0)
+    w = torch.softmax(torch.randn(2, 3, 5, 5).masked_fill(torch.ones(5, 5).triu(1).bool(), -torch.inf), -1)
+    win = hf.analyze(english_text[:200], hf.load_model(tiny_model_dir("llama")), ["unas"]).windows[0]
+    for eps, position in ((np.float32(0.25), np.int64(1)), (torch.tensor(0.25), torch.tensor(1)),
+                          (np.float64(0.25), np.int32(-1))):
+        want_eps, want_pos = float(eps), int(position)
+        assert torch.equal(stats.sink_rate(w, eps=eps, position=position),
+                           sinks.sink_rate(w, eps=want_eps, position=want_pos))
+        assert torch.equal(win.sink_rate(eps=eps, position=position)["unas"],
+                           win.sink_rate(eps=want_eps, position=want_pos)["unas"])
+    with pytest.raises(ValueError, match="position must be an integer"):
+        win.sink_rate(position=np.int64(len(win.tokens)))
+
+
 def test_massive_activations_equal_literal_float64_on_hidden_states(tiny_model_dir, english_text):
     from attnlab import hf
 

@@ -105,6 +105,8 @@ __all__ = [
     "pair_mask",
     "relative_column_mass",
     "row_entropy",
+    "sink_importance",
+    "sink_rate",
     "special_token_mass",
     "statistics_from_row_sums",
     "table_from_row_sums",
@@ -119,3 +121,17 @@ __all__ = [
 # _tidy_from_row_sums, _statistics_from_row_sums): thin aliases until hf uses RowSums.
 _PRIVATE = (_distance_matrix, _js2_rowsum, _row_sums, _statistics_from_row_sums, _tidy_from_row_sums,
             BOUND_RTOL, CHUNK_BYTES, DEVICE_CHUNK_BYTES, LN2)
+
+
+# Gu et al. 2024's sink statistics live in attnlab.sinks (beside the other sink measures) and are also
+# statistics of the weights: attnlab.stats.sink_importance / sink_rate name the same functions, looked up
+# on first use (attnlab.sinks imports attnlab.stats)
+_FROM_SINKS = ("sink_importance", "sink_rate")
+
+
+def __getattr__(name: str):
+    if name in _FROM_SINKS:
+        from attnlab import sinks
+
+        return getattr(sinks, name)
+    raise AttributeError(f"module 'attnlab.stats' has no attribute {name!r}")

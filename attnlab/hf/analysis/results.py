@@ -165,11 +165,7 @@ class WindowResult:
         ``eps`` (Gu et al. 2024's sink rate; ``attnlab.sinks.sink_rate``)."""
         from attnlab import sinks
 
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= float(eps) <= 1:
-            raise ValueError(f"eps must be a number in [0, 1], got {eps!r}")
-        n = len(self.tokens)
-        if isinstance(position, bool) or not isinstance(position, int) or not -n <= position < n:
-            raise ValueError(f"position must be an integer in [-{n}, {n - 1}], got {position!r}")
+        eps, position = sinks.check_rate(eps, position, len(self.tokens))
         importance = self.sink_importance()
         return {v: sinks.rate_from_importance(imp[..., position], eps) for v, imp in importance.items()}
 
