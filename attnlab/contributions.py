@@ -22,7 +22,7 @@ from collections.abc import Mapping
 import torch
 
 from attnlab import stats
-from attnlab.normalizers.checks import check_number
+from attnlab.normalizers.checks import check_number, scalar
 from attnlab.stats import check_eps
 from attnlab.stats._checks import is_lazy_maps
 
@@ -138,6 +138,7 @@ def layer_contribution_norms(
             f"gram must be {tuple(w.shape[:-3]) + (N, H, H)} for weights {tuple(w.shape)}, "
             f"got {tuple(g.shape)}"
         )
+    block_rows = scalar(block_rows)  # numpy and 0-d tensor numbers as Python ones
     if isinstance(block_rows, bool) or not isinstance(block_rows, int) or block_rows < 1:
         raise ValueError(f"block_rows must be an integer >= 1, got {block_rows!r}")
     out = w.new_empty(*w.shape[:-3], M, N)

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from attnlab.normalizers.checks import scalar
+from attnlab.normalizers.checks import plain_number
 from attnlab.stats import check_weights
 from attnlab.stats._checks import is_lazy_maps, layer_head_means
 
@@ -108,9 +108,7 @@ def _graph(caps: np.ndarray, source_row: int):
 
 def _check_max_work(max_work) -> float:
     """The work limit: a finite number > 0 (NaN or inf would switch the limit off)."""
-    value = scalar(max_work)
-    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point():
-        value = float(value)
+    value = plain_number(max_work)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
             or value <= 0:
         raise ValueError(f"max_work must be a finite number > 0 (edge visits), got {max_work!r}")

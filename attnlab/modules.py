@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attnlab.normalizers import attend, attention_weights, check_variant
+from attnlab.normalizers.checks import scalar
 from attnlab.scores import _relative_positions, polynomial_features, power_features
 
 __all__ = [
@@ -94,7 +95,8 @@ class AttentionConfig:
     def __post_init__(self):
         _check_variant(self.variant)
         for name in ("d_model", "n_heads"):
-            value = getattr(self, name)
+            value = scalar(getattr(self, name))  # numpy and 0-d tensor integers as Python ints
+            object.__setattr__(self, name, value)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"AttentionConfig.{name} must be an integer >= 1, got {value!r}")
         if self.d_model % self.n_heads:

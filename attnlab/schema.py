@@ -19,8 +19,10 @@ Imports nothing from attnlab, so every layer may use it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import operator
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -394,6 +396,9 @@ def check_threads(value, name: str = "--threads") -> int | None:
     if value is None:
         return None
     high = max_threads()
+    if not isinstance(value, (bool, float)):
+        with contextlib.suppress(TypeError):  # a numpy or 0-d tensor integer as a Python int
+            value = operator.index(value)
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
         raise ValueError(f"{name} must be an integer in [1, {high}] ({THREADS_PER_CORE} per CPU core, at "
                          f"most {MAX_THREADS}), got {value!r}")

@@ -71,6 +71,9 @@ def open_result(out: str | os.PathLike) -> CorpusResult:
 def _check_int(name: str, value, low: int, allow_none: bool = False):
     if value is None and allow_none:
         return None
+    from attnlab.normalizers.checks import scalar
+
+    value = scalar(value)  # numpy and 0-d tensor integers as Python ints (the manifest is JSON)
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}{' or None' if allow_none else ''}, "
                          f"got {value!r}")
@@ -105,18 +108,20 @@ def analyze_corpus(source, model=None, variants=None, mode: str = "recompute", *
     from attnlab.corpus.index import index_settings
     from attnlab.corpus.summary import summarize
     from attnlab.corpus.variants import resolve
+    from attnlab.normalizers.checks import scalar
 
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-    _check_int("workers", workers, 1)
+    workers = _check_int("workers", workers, 1)
     if engine == "local" and workers != 1:
         raise ValueError(f"workers={workers} needs engine='ray'; the local engine runs one process")
     if ray_address is not None and engine != "ray":
         raise ValueError("ray_address needs engine='ray'")
-    _check_int("shard_docs", shard_docs, 1)
-    _check_int("max_docs", max_docs, 1, allow_none=True)
-    _check_int("bootstrap", bootstrap, 1)
-    _check_int("seed", seed, 0)
+    shard_docs = _check_int("shard_docs", shard_docs, 1)
+    max_docs = _check_int("max_docs", max_docs, 1, allow_none=True)
+    bootstrap = _check_int("bootstrap", bootstrap, 1)
+    seed = _check_int("seed", seed, 0)
+    window, overlap = scalar(window), scalar(overlap)  # checked with the model (job.check_window, hf)
     if not isinstance(index, bool):
         raise ValueError(f"index must be True or False, got {index!r}")
     if index_dims is not None and not index:

@@ -33,6 +33,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from attnlab.normalizers.checks import scalar
+
 __all__ = ["FOLDER", "index_settings", "schema", "token_embeddings", "project", "owned_ranges",
            "IndexBlocks"]
 
@@ -43,6 +45,7 @@ SEED = 0  # the random projection's seed
 
 def index_settings(variants, dims: int | None) -> dict:
     """What ``CorpusSettings.index`` records for an indexed run (JSON: it goes into the manifest)."""
+    dims = scalar(dims)  # numpy and 0-d tensor integers as Python ints (the manifest is JSON)
     if dims is not None and (isinstance(dims, bool) or not isinstance(dims, int) or dims < 1):
         raise ValueError(f"index_dims must be an integer >= 1 or None, got {dims!r}")
     return {"embedding": EMBEDDING, "dims": dims, "seed": SEED, "variant": variants[0], "dtype": "float16"}

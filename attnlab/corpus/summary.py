@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from attnlab.normalizers.checks import scalar
+
 __all__ = ["summarize", "QUANTILE_COLUMNS", "ALL_HEADS"]
 
 QUANTILE_COLUMNS = {"q05": 0.05, "q25": 0.25, "q50": 0.5, "q75": 0.75, "q95": 0.95}
@@ -114,6 +116,7 @@ def summarize(rows_dir: str | Path, resamples: int = 1000, seed: int = 0):
     """
     import pandas as pd
 
+    resamples = scalar(resamples)  # numpy and 0-d tensor numbers as Python ones
     if isinstance(resamples, bool) or not isinstance(resamples, int) or resamples < 1:
         raise ValueError(f"resamples must be an integer >= 1, got {resamples!r}")
     files = sorted(Path(rows_dir).glob("shard-*.parquet"))

@@ -24,6 +24,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from attnlab.normalizers.checks import scalar
+
 __all__ = ["frequency_bins", "key_classes", "class_statistics", "class_statistics_from_masses", "QUANTILES",
            "N_DECILES"]
 
@@ -40,6 +42,7 @@ def frequency_bins(counts: np.ndarray, n_bins: int = 5) -> np.ndarray:
     counts = np.asarray(counts, dtype=np.int64)
     if counts.ndim != 1:
         raise ValueError(f"counts must be 1-D (one count per token id), got shape {counts.shape}")
+    n_bins = scalar(n_bins)  # numpy and 0-d tensor integers as Python ints
     if isinstance(n_bins, bool) or not isinstance(n_bins, int) or n_bins < 1:
         raise ValueError(f"n_bins must be an integer >= 1, got {n_bins!r}")
     bins = np.full(counts.shape, -1, dtype=np.int64)

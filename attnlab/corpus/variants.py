@@ -53,8 +53,9 @@ def resolve(variants: Sequence[str] | str | None, params: Mapping[str, object] |
     """
     import attnlab
     from attnlab.hf.compute.weights import check_arguments
+    from attnlab.normalizers.checks import plain_number
 
-    params = dict(params or {})
+    params = {name: plain_number(value) for name, value in (params or {}).items()}  # numpy: Python
     known = {f.name for f in param_flags()}
     unknown = sorted(set(params) - known)
     if unknown:

@@ -13,7 +13,8 @@ import numbers
 
 import torch
 
-__all__ = ["check_float_tensor", "check_mask", "check_scale", "check_number", "check_head_shape", "scalar"]
+__all__ = ["check_float_tensor", "check_mask", "check_scale", "check_number", "check_head_shape",
+           "plain_number", "scalar"]
 
 
 def scalar(value):
@@ -26,6 +27,16 @@ def scalar(value):
     if isinstance(value, numbers.Integral):
         return int(value)
     if isinstance(value, numbers.Real):
+        return float(value)
+    return value
+
+
+def plain_number(value):
+    """:func:`scalar`, and a floating 0-d tensor's float too: for an argument that is one number, never
+    a per-head tensor (``scalar`` keeps floating tensors, which may carry u's gradient)."""
+    value = scalar(value)
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point() \
+            and value.device.type != "meta":
         return float(value)
     return value
 
@@ -64,9 +75,7 @@ def check_scale(scale, default: float) -> float:
     """The score scale: a finite number > 0 (default: ``default``, i.e. 1/sqrt(D))."""
     if scale is None:
         return default
-    value = scalar(scale)
-    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point():
-        value = float(value)
+    value = plain_number(scale)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"scale must be a finite number > 0, got {scale!r} ({type(scale).__name__})")
     if not math.isfinite(value) or value <= 0:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from attnlab.normalizers.checks import scalar
 from attnlab.stats._checks import (
     LN2,
     check_bool,
@@ -310,6 +311,7 @@ def statistics_from_row_sums(
         reference = None
     first = sums[names[0]]
     S = 0 if first.special is None else first.special.shape[-1]
+    special_index, punctuation_index = scalar(special_index), scalar(punctuation_index)  # numpy: Python
     for label, index in (("special_index", special_index), ("punctuation_index", punctuation_index)):
         if index is not None and (isinstance(index, bool) or not isinstance(index, int)
                                   or not 0 <= index < S):

@@ -102,6 +102,7 @@ def swap_eval(
     from attnlab.corpus.job import Progress
     from attnlab.corpus.variants import resolve
     from attnlab.hf import load_model
+    from attnlab.normalizers.checks import plain_number, scalar
     from attnlab.swap_eval import job
     from attnlab.swap_eval.figures import write_figures
     from attnlab.swap_eval.summary import loss_delta_table, position_table
@@ -111,16 +112,14 @@ def swap_eval(
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     if ray_address is not None and engine != "ray":
         raise ValueError("ray_address needs engine='ray'")
-    _check_int("workers", workers, 1)
+    workers = _check_int("workers", workers, 1)
     if engine == "local" and workers != 1:
         raise ValueError(f"workers={workers} needs engine='ray'; the local engine runs one process")
-    for name, value, low, none in (
-        ("shard_docs", shard_docs, 1, False),
-        ("max_docs", max_docs, 1, True),
-        ("bootstrap", bootstrap, 1, False),
-        ("seed", seed, 0, False),
-    ):
-        _check_int(name, value, low, allow_none=none)
+    shard_docs = _check_int("shard_docs", shard_docs, 1)
+    max_docs = _check_int("max_docs", max_docs, 1, allow_none=True)
+    bootstrap = _check_int("bootstrap", bootstrap, 1)
+    seed = _check_int("seed", seed, 0)
+    window, mask_rate = scalar(window), plain_number(mask_rate)  # numpy: Python numbers (JSON manifest)
     if layers not in job.LAYER_MODES:
         raise ValueError(f"layers must be one of {job.LAYER_MODES}, got {layers!r}")
     if isinstance(mask_rate, bool) or not isinstance(mask_rate, (int, float)) or not 0 < mask_rate <= 1:

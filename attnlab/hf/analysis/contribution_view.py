@@ -16,6 +16,7 @@ import torch
 from attnlab import contributions
 from attnlab.hf.capture.values import record_values, value_paths, window_summaries
 from attnlab.hf.compute import lazy_weights
+from attnlab.normalizers.checks import scalar
 
 __all__ = ["check_flag", "recording", "value_norms", "contribution_mass", "layer_norms", "with_contributions"]
 
@@ -86,6 +87,7 @@ def layer_norms(w, variant: str, layer: int) -> torch.Tensor:
     if variant not in w.weights:
         raise ValueError(f"variant must be one of the analysed variants {list(w.weights)}, got {variant!r}")
     L = w.weights[variant].shape[0]
+    layer = scalar(layer)  # numpy and 0-d tensor numbers as Python ones
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < L:
         raise ValueError(f"layer must be an integer in [0, {L - 1}], got {layer!r}")
     return contributions.layer_contribution_norms(w.weights[variant][layer], values[variant].gram(layer))

@@ -10,6 +10,7 @@ import torch
 
 from attnlab.hf.capture.windows import Window, iter_windows
 from attnlab.hf.load.loading import LoadedModel
+from attnlab.normalizers.checks import scalar
 
 __all__ = ["text_window", "window_flow"]
 
@@ -19,7 +20,8 @@ def text_window(
     overlap: int | None = None,
 ) -> Window:
     """Window ``window_index`` (0-based) of ``text`` for ``loaded``'s tokenizer, with analyze's windowing
-    (``window`` tokens incl. special tokens, default min(max length, 512); ``overlap`` text tokens).
+    (``window`` tokens incl. special tokens, by default analyze's: a causal model's whole context,
+    else min(max length, 512); ``overlap`` text tokens).
 
     ValueError for an empty text, or naming ``window_index`` and how many windows the text has.
     """
@@ -29,6 +31,7 @@ def text_window(
         raise ValueError("text must be a non-empty str; there is nothing to cut into windows")
     stream = stream_analysis(text, loaded, ("unas",), window=window, overlap=overlap)
     n = stream.windowing.n_windows
+    window_index = scalar(window_index)  # numpy and 0-d tensor numbers as Python ones
     if isinstance(window_index, bool) or not isinstance(window_index, int) or not 0 <= window_index < n:
         raise ValueError(
             f"window_index must be an integer in [0, {n - 1}]: the text has {n} window(s) of "

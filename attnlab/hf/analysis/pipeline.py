@@ -45,6 +45,7 @@ from attnlab.hf.compute.weights import check_arguments, window_weights_and_sums
 from attnlab.hf.load.loading import LoadedModel, ModelInfo, model_on
 from attnlab.hf.load.native import NativeModel, learned_u, native_weights
 from attnlab.normalizers import DEFAULT_VARIANTS, check_params, variant_spec
+from attnlab.normalizers.checks import scalar
 
 __all__ = [
     "hnas_u_from_checkpoint",
@@ -107,6 +108,7 @@ class AnalysisStream:
 
     def window(self, index: int) -> WindowResult:
         """The result of window ``index`` alone (the windows before it are not computed)."""
+        index = scalar(index)  # numpy and 0-d tensor numbers as Python ones
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(self):
             raise ValueError(f"index must be an integer in [0, {len(self) - 1}], got {index!r}")
         windows = iter_windows(self.loaded.tokenizer, self.text, self.tokenized, self.windowing)
@@ -239,7 +241,8 @@ def stream_analysis(
             notes.append(f"hnas uses the u per layer and head learned by {info.name}")
     if info.causal:
         notes += _causal_notes(info.name, variants, given)
-    given_window = window
+    window = given_window = scalar(window)  # numpy and 0-d tensor numbers as Python ones
+    overlap = scalar(overlap)
     if window is None:  # causal: the whole context (attention at i depends on every token before it)
         window = info.max_length if info.causal else min(info.max_length, MAX_DEFAULT_WINDOW)
     elif isinstance(window, bool) or not isinstance(window, int) or not 0 < window <= info.max_length:

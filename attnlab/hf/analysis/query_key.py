@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from attnlab.normalizers.checks import scalar
+
 __all__ = ["LayerQueryKey", "check_query_key_vectors", "layer_query_key", "query_keys"]
 
 
@@ -47,6 +49,7 @@ class LayerQueryKey:
         return head // self.group
 
     def _check(self, name: str, value, n: int) -> int:
+        value = scalar(value)  # numpy and 0-d tensor numbers as Python ones
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < n:
             raise ValueError(f"{name} must be an int in [0, {n}), got {value!r}")
         return value
@@ -126,7 +129,7 @@ def query_keys(model, input_ids, layers) -> dict[int, LayerQueryKey]:
     from attnlab.hf.load.native import NativeModel, capture_attention_inputs
 
     n_layers = model.info.n_layers
-    layers = sorted(set(layers))
+    layers = sorted({scalar(layer) for layer in layers})  # numpy and 0-d tensor numbers as Python ones
     for layer in layers:
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n_layers:
             raise ValueError(f"layer must be an int in [0, {n_layers}), got {layer!r}")

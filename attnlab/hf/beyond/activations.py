@@ -16,6 +16,7 @@ import torch
 
 from attnlab import sinks
 from attnlab.hf.load.loading import LoadedModel, model_on
+from attnlab.normalizers.checks import scalar
 
 __all__ = ["massive_activations", "activations_table", "recording_activations", "COLUMNS"]
 
@@ -63,7 +64,8 @@ def massive_activations(text: str, model: LoadedModel | str | None = None, *, ma
     if not isinstance(text, str) or not text.strip():
         raise ValueError("text must be a non-empty str")
     loaded = model_on(model)
-    limit = loaded.info.max_length if max_tokens is None else max_tokens
+    # numpy and 0-d tensor numbers as Python ones
+    limit = loaded.info.max_length if max_tokens is None else scalar(max_tokens)
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= loaded.info.max_length:
         raise ValueError(f"max_tokens must be an integer in [1, {loaded.info.max_length}], "
                          f"got {max_tokens!r}")

@@ -32,6 +32,7 @@ from attnlab.hf.capture.values import record_values, summarize, value_paths
 from attnlab.hf.capture.variant_params import variant_kwargs
 from attnlab.hf.load.loading import LoadedModel, model_on
 from attnlab.normalizers import VARIANTS
+from attnlab.normalizers.checks import scalar
 
 __all__ = ["MEASURES", "FaithfulnessResult", "faithfulness", "token_importance"]
 
@@ -163,6 +164,7 @@ def faithfulness(
     bad = [m for m in measures if m not in MEASURES]
     if bad or not measures:
         raise ValueError(f"measures must be a non-empty subset of {MEASURES}, got {list(measures)!r}")
+    batch_size = scalar(batch_size)  # numpy and 0-d tensor numbers as Python ones
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     ids, special = _tokens(loaded, text, window_index, window, overlap)  # (1, N), N flags

@@ -28,6 +28,7 @@ from attnlab.hf.beyond.head_swaps import INTERVENE, SwapPlan, default_batch_size
 from attnlab.hf.capture.variant_params import variant_kwargs
 from attnlab.hf.load.loading import LoadedModel, model_on
 from attnlab.normalizers import VARIANTS
+from attnlab.normalizers.checks import scalar
 
 __all__ = ["INTERVENE", "InterventionResult", "head_interventions", "load_with_lm_head", "has_lm_head"]
 
@@ -200,6 +201,7 @@ def head_interventions(
     L, H = info.n_layers, info.n_heads
     if batch_size is None:
         batch_size = default_batch_size(net.config, N, H, causal_lm)
+    batch_size = scalar(batch_size)  # numpy and 0-d tensor numbers as Python ones
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     params = dict(params or {})

@@ -40,6 +40,7 @@ from attnlab.hf.capture.variant_params import variant_kwargs
 from attnlab.hf.capture.windows import MAX_DEFAULT_WINDOW, special_affixes, tokenize_text
 from attnlab.hf.load.loading import LoadedModel, load_language_model
 from attnlab.hf.load.model_info import ModelInfo
+from attnlab.normalizers.checks import plain_number, scalar
 
 __all__ = [
     "LAYER_SWAP",
@@ -309,10 +310,11 @@ def language_model_loss(
     texts = [texts] if isinstance(texts, str) else texts
     if not isinstance(texts, Sequence) or not len(texts) or not all(isinstance(t, str) for t in texts):
         raise ValueError(f"texts must be a text or a non-empty sequence of texts, got {texts!r:.80}")
-    window = min(loaded.info.max_length, MAX_DEFAULT_WINDOW) if window is None else window
+    window = min(loaded.info.max_length, MAX_DEFAULT_WINDOW) if window is None else scalar(window)
+    mask_rate = plain_number(mask_rate)  # numpy and 0-d tensor numbers as Python ones
     if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= loaded.info.max_length:
         raise ValueError(f"window must be an integer in [1, {loaded.info.max_length}], got {window!r}")
-    if not isinstance(mask_rate, (int, float)) or not 0 < mask_rate <= 1:
+    if isinstance(mask_rate, bool) or not isinstance(mask_rate, (int, float)) or not 0 < mask_rate <= 1:
         raise ValueError(f"mask_rate must be a number in (0, 1], got {mask_rate!r}")
     total, count = 0.0, 0
     for i, text in enumerate(texts):

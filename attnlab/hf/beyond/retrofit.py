@@ -26,6 +26,7 @@ from attnlab.hf.beyond.head_swaps import blocks_of
 from attnlab.hf.beyond.layer_swap import Swap, swapped_layers
 from attnlab.hf.beyond.lm_loss import as_language_model
 from attnlab.hf.load.loading import LoadedModel
+from attnlab.normalizers.checks import plain_number
 
 __all__ = ["IGNORE", "hybrid_weight", "theta_for", "lm_loss_sum", "masked_lm_head", "LearnedMix",
            "HNASRetrofit"]
@@ -45,6 +46,7 @@ def hybrid_weight(theta: torch.Tensor) -> torch.Tensor:
 
 def theta_for(u: float) -> float:
     """The theta whose sigmoid is ``u`` (logit); ValueError unless 0 < u < 1."""
+    u = plain_number(u)  # numpy and 0-d tensor numbers as Python ones
     if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 < u < 1.0:
         raise ValueError(f"u0 must be a number in (0, 1) (the initial hybrid weight), got {u!r}")
     return math.log(u / (1.0 - u))

@@ -189,6 +189,7 @@ def plan_windows(n_tokens: int, window: int, n_special: int, overlap: int | None
     if isinstance(overlap, bool) or not isinstance(overlap, int | np.integer) or not 0 <= overlap < content:
         raise ValueError(f"overlap must be an integer in [0, {content - 1}] tokens for this window, "
                          f"got {overlap!r}")
+    overlap = int(overlap)  # a numpy integer as a Python int (the windowing goes into JSON manifests)
     stride = content - overlap
     starts = [0]
     while starts[-1] + content < n_tokens:
