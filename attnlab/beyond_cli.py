@@ -237,7 +237,8 @@ def finish(args, stream, result, tmp: Path) -> tuple[list[str], list[str], dict]
     if args.faithfulness:
         given = _scalars(stream.params)
         res = faithfulness.faithfulness(
-            stream.loaded, result.window, stream.variants, dict.fromkeys(stream.variants, given)
+            stream.loaded, result.window, stream.variants, dict.fromkeys(stream.variants, given),
+            progress=not args.quiet,
         )
         table = res.table.assign(window=k)[["window", *res.table.columns]]
         table.to_csv(tmp / "faithfulness.csv", index=False)

@@ -4,6 +4,8 @@ GPT-2 and LLaMA with grouped-query attention). Seeded and offline."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from conftest import CORPUS, _bpe_tokenizer, _config, build_tiny_model
@@ -198,6 +200,29 @@ def test_faithfulness_table_and_literal_leave_one_out(sharp_dir):
     row = result.table[(result.table.variant == "dnas") & (result.table.measure == "column_mass")].iloc[0]
     tau = kendalltau(result.importance["dnas"]["column_mass"].numpy(), result.leave_one_out["dnas"].numpy())
     assert row.tau == pytest.approx(tau.statistic)
+
+
+def test_faithfulness_reports_progress_and_keeps_no_record_of_the_masked_copies(tiny_model_dir, monkeypatch):
+    """One step per masked copy (N forwards of N tokens per variant: the cost a long window has), to a
+    callback and a tqdm bar; the values recorded for contribution_mass are the one unmasked forward's."""
+    loaded = hf.load_model(tiny_model_dir("bert"))
+    recorded = []
+    real = fa.record_values
+
+    @contextlib.contextmanager
+    def spy(model, paths):
+        with real(model, paths) as forwards:
+            yield forwards
+        recorded.append(len(forwards))
+
+    monkeypatch.setattr(fa, "record_values", spy)
+    seen = []
+    res = fa.faithfulness(loaded, TEXT, ("unas", "dnas"), batch_size=3, progress=True,
+                          on_progress=lambda done, total: seen.append((done, total)))
+    n = len(res.positions)
+    assert seen[-1] == (2 * n, 2 * n) and [d for d, _ in seen] == sorted(d for d, _ in seen)
+    assert len(seen) == 2 * -(-n // 3)  # one call per batch of 3 copies, per variant
+    assert recorded == [1, 1]  # per variant: the unmasked forward only
 
 
 def test_faithfulness_reads_value_paths_under_the_model_lock(tiny_model_dir, monkeypatch):

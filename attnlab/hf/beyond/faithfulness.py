@@ -20,6 +20,7 @@ Cost: per variant 1 + n forwards (n text tokens, ``batch_size`` at a time) and t
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -87,8 +88,9 @@ def _pooled_without(hidden: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return (hidden * k).sum(1) / k.sum(1).clamp_min(1.0)
 
 
-def _leave_one_out(net, ids, positions, batch_size) -> torch.Tensor:
-    """Cosine distance of the pooled output with and without each of ``positions`` (n,)."""
+def _leave_one_out(net, ids, positions, batch_size, step=None) -> torch.Tensor:
+    """Cosine distance of the pooled output with and without each of ``positions`` (n,); ``step(b)``
+    after each batch of b masked copies."""
     N = ids.shape[1]
     base = net(
         input_ids=ids, attention_mask=torch.ones_like(ids), output_hidden_states=True, use_cache=False
@@ -107,6 +109,8 @@ def _leave_one_out(net, ids, positions, batch_size) -> torch.Tensor:
         a = _pooled_without(base.expand(len(pos), -1, -1), keep.bool())
         b = _pooled_without(y, keep.bool())
         out.append(1.0 - torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=-1))
+        if step is not None:
+            step(len(pos))
     return torch.cat(out).cpu()
 
 
@@ -137,6 +141,8 @@ def faithfulness(
     overlap: int | None = None,
     batch_size: int = 16,
     device=None,
+    progress: bool = False,
+    on_progress=None,
 ) -> FaithfulnessResult:
     """Kendall tau between each importance measure and leave-one-token-out importance, per variant.
 
@@ -148,6 +154,9 @@ def faithfulness(
         variants: registered variants; params: {variant: its parameters} (defaults for the rest).
         measures: any of ``MEASURES``.
         batch_size: masked copies of the text per forward.
+        progress: a tqdm bar over the variants' leave-one-out forwards (one per text token and variant:
+            the cost grows as N forwards of N tokens); on_progress: called as on_progress(done, total)
+            after each batch (e.g. a Streamlit progress bar).
 
     Raises ValueError for an empty text, a window the text lacks, or one with fewer than 2 text tokens
     (nothing to rank).
@@ -177,7 +186,23 @@ def faithfulness(
     params = dict(params or {})
     importance, loo, notes = {}, {}, []
     rows = []
-    with loaded.lock, torch.no_grad():
+    total, done = len(variants) * len(positions), [0]
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, unit="token", desc="leaving tokens out", leave=False)
+
+    def step(n: int) -> None:
+        done[0] += n
+        if bar is not None:
+            bar.update(n)
+        if on_progress is not None:
+            on_progress(done[0], total)
+
+    with contextlib.ExitStack() as stack, loaded.lock, torch.no_grad():
+        if bar is not None:
+            stack.callback(bar.close)
         # under the lock, as every caller: a traced model's first call runs a forward of its own
         paths = value_paths(loaded.model) if "contribution_mass" in measures else None
         for v in variants:
@@ -192,7 +217,10 @@ def faithfulness(
                     output_attentions=True,
                     use_cache=False,
                 )
-                loo[v] = _leave_one_out(loaded.model, ids, positions, batch_size)
+            # the masked copies need neither weights nor recorded values: the variant's fused attention
+            # where it has one (no (b, H, N, N) per layer), and nothing kept per batch
+            with use_variant(loaded.model, v, **kw):
+                loo[v] = _leave_one_out(loaded.model, ids, positions, batch_size, step)
             weights = torch.stack(out.attentions)[:, 0].float().cpu()  # (L, H, N, N)
             norms = summarize(forwards[0], paths).norms if paths else None
             imp = token_importance(weights, norms, measures, notes if v == variants[0] else None)
