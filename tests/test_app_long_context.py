@@ -242,3 +242,31 @@ def test_explaining_away_on_a_long_causal_text_streams_its_statistics(long_llama
     rows = table[(table["variant"] == "unas") & (table["statistic"] == "explained_away_relative")]
     got = rows.sort_values(["layer", "head"])["value"].to_numpy().reshape(2, 4)
     np.testing.assert_allclose(got, want.numpy(), atol=1e-6)
+
+
+def test_compare_on_a_long_causal_text_pools_the_panels_and_their_differences(long_llama, monkeypatch):
+    """Compare on ~1,650 tokens: each panel is its variant's one head pooled into 4 x 4 token blocks
+    (block size in the title; the chart is bounded, not N x N per panel: it was 159 MB of JSON at 2,424
+    tokens), each difference map the difference of the pooled maps, the axes the blocks' token ranges;
+    no variant's whole (L, H, N, N) weights are computed (the per-head Jensen-Shannon map needs them: a
+    message says so)."""
+    at = _page(long_llama, monkeypatch, "compare", layer="1", head="2")
+    assert not at.exception and not at.error, messages(at)
+    assert any("Jensen-Shannon distance per layer and head is drawn for windows of up to 512" in i.value
+               for i in at.info)
+    from attnlab import hf
+
+    stream = hf.stream_analysis(TEXT, hf.load_model(str(long_llama)), ("unas", "dnas", "hnas"),
+                                statistics=False)
+    w = stream.window(0).weights
+    want = {v: block_pool(w[v].head(1, 2).numpy(), 4) for v in ("unas", "dnas", "hnas")}
+    N = w["unas"].shape[-1]
+    panels = _chart(at, "compare_maps")
+    assert "each cell = 4 × 4 tokens (mean)" in panels["layout"]["title"]["text"]
+    for trace, v in zip(panels["data"], ("unas", "dnas", "hnas"), strict=True):
+        np.testing.assert_allclose(_z(trace), want[v], rtol=1e-5, atol=1e-7)
+        assert trace["x"][0] == "0–3" and trace["x"][-1] == f"{(N - 1) // 4 * 4}–{N - 1}"
+    diffs = _chart(at, "compare_diffs")
+    for trace, v in zip(diffs["data"], ("dnas", "hnas"), strict=True):
+        np.testing.assert_allclose(_z(trace), want["unas"] - want[v], atol=1e-6)
+    assert len(json.dumps(panels)) < 8 * 2**20

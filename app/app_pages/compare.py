@@ -3,7 +3,7 @@ difference maps on one diverging scale, Jensen-Shannon distance per head, column
 
 import streamlit as st
 from appkit import state
-from appkit.analysis import view_for
+from appkit.analysis import LONG_CONTEXT, view_for
 from appkit.controls import inputs, window_view
 from appkit.pick import focus_line, layer_head
 from appkit.show import bundle, show
@@ -103,7 +103,9 @@ else:
                 "head": head,
                 "zmax": zmax if shared_scale else None,
             }
-            show(P, f"map_{chosen.index(name)}", "heatmap", view, params, text=text, width="stretch")
+            # a long context: the map in token blocks (each on its own colour scale), as Inspect draws it
+            kind = "heatmap_blocks" if view.shape[2] > LONG_CONTEXT else "heatmap"
+            show(P, f"map_{chosen.index(name)}", kind, view, params, text=text, width="stretch")
 
 st.subheader(f"Differences from A = {chosen[0]}")
 if len(same) < 2:
@@ -124,12 +126,18 @@ else:
     # one under another, each at its own width (side by side in columns the maps shrank until their
     # cell values ran together, seen at 1280x800), on one colour range: the largest distance of all
     pairs = {n: ([ref_view, panels[n][0]], {"variants": [ref_variant, panels[n][1]]}) for n in same[1:]}
-    top = max(float(bundle("js_distance", *pair).arrays["js_distance"].max()) for pair in pairs.values())
-    for name, (pair, params) in pairs.items():
-        show(P, f"js_{chosen.index(name)}", "js_distance", pair, {**params, "zmax": max(top, 1e-6)},
-             labels=["A", name], text=text)
-    if len(pairs) > 1:
-        st.caption(f"The Jensen-Shannon maps share one colour range, 0 to {top:.3g} (the largest distance).")
+    if ref_view.shape[2] > LONG_CONTEXT:  # every head's whole map, twice per pair: not on a long context
+        st.info(f"The Jensen-Shannon distance per layer and head is drawn for windows of up to "
+                f"{LONG_CONTEXT} tokens and this one has {ref_view.shape[2]:,} (it needs every head's whole "
+                "map of both panels); the maps above show one head.")
+    else:
+        top = max(float(bundle("js_distance", *pair).arrays["js_distance"].max()) for pair in pairs.values())
+        for name, (pair, params) in pairs.items():
+            show(P, f"js_{chosen.index(name)}", "js_distance", pair, {**params, "zmax": max(top, 1e-6)},
+                 labels=["A", name], text=text)
+        if len(pairs) > 1:
+            st.caption(f"The Jensen-Shannon maps share one colour range, 0 to {top:.3g} (the largest "
+                       "distance).")
 
 st.subheader("Column-mass distributions, overlaid")
 show(

@@ -26,7 +26,7 @@ view = window_view(P, settings, text)
 L, H, N = view.shape
 side = max(N, len(view.query_tokens or ()))  # the line views' rows (cross-attention: M targets, N sources)
 st.caption(
-    f"**{view.info.name}** — {L} layers × {H} heads, {N} tokens in this window. Mode: {settings.mode}."
+    f"**{view.info.name}** — {L} layers × {H} heads, {N:,} tokens in this window. Mode: {settings.mode}."
 )
 for note in view.notes:
     st.caption(f"Note: {note}")
@@ -52,7 +52,7 @@ elif side <= HEAD_VIEW_MAX_TOKENS:  # the map over the whole width (every token 
     token_view(P, "heatmap", view, chosen, layer, head, text=text)
     token_view(P, "head_view", view, chosen, layer, head, text=text)
 else:  # a long window: the map gets the whole width
-    st.caption(f"The head view draws up to {HEAD_VIEW_MAX_TOKENS} tokens; this window has {side}.")
+    st.caption(f"The head view draws up to {HEAD_VIEW_MAX_TOKENS} tokens; this window has {side:,}.")
     token_view(P, "heatmap", view, chosen, layer, head, text=text)
 
 st.subheader("Neuron view: what makes one weight")
@@ -70,7 +70,7 @@ if side <= MODEL_VIEW_MAX_TOKENS:
     token_view(P, "model_view", view, chosen, layer, head, text=text)
 else:
     st.info(
-        f"The model view draws up to {MODEL_VIEW_MAX_TOKENS} tokens and this window has {side}: "
+        f"The model view draws up to {MODEL_VIEW_MAX_TOKENS} tokens and this window has {side:,}: "
         "the layer × head grid below shows every map of it."
     )
 

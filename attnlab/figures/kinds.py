@@ -46,7 +46,7 @@ from attnlab.figures.bundle import FigureBundle, long_table
 from attnlab.figures.distributions import column_mass_distribution, explained_away_heatmap
 from attnlab.figures.head_overlay import check_heads, head_overlay
 from attnlab.figures.head_view import model_view
-from attnlab.figures.long_maps import blocks_bundle, zoom_bundle
+from attnlab.figures.long_maps import blocks_bundle, describe_block, head_map, pooled_panels, zoom_bundle
 from attnlab.figures.views import js_distance_heatmap, panel_heatmaps, token_mass_strip
 
 __all__ = ["KINDS", "MULTI_KINDS", "build"]
@@ -71,8 +71,9 @@ CLICKABLE_MAX_TOKENS = 80  # heatmaps up to this size get one click target per c
 MULTI_KINDS = ("panels", "differences", *PAIR_KINDS)  # always a list of sources
 
 
-def _sources(kind: str, weights, p: dict, labels, count: int | None = None):
-    """The (L, H, N, N) array of each source's chosen variant, and the sources' labels."""
+def _sources(kind: str, weights, p: dict, labels, count: int | None = None, read=None):
+    """The (L, H, N, N) array of each source's chosen variant (or what ``read(weights, name)`` makes
+    of it), and the sources' labels."""
     if isinstance(weights, Mapping) or (count is not None and len(weights) != count):
         raise ValueError(
             f"{kind} needs {count or 'a list of'} sources of weights ({{variant: (L, H, N, N)}} each)"
@@ -80,10 +81,9 @@ def _sources(kind: str, weights, p: dict, labels, count: int | None = None):
     variants = list(p["variants"])
     if len(variants) != len(weights):
         raise ValueError(f"{kind}: got {len(weights)} sources and {len(variants)} variants")
-    arrays = [
-        as_array(w[v], f"weights[{k}][{v!r}]", 4)
-        for k, (w, v) in enumerate(zip(weights, variants, strict=True))
-    ]
+    read = read or (lambda w, name: as_array(w, name, 4))
+    arrays = [read(w[v], f"weights[{k}][{v!r}]")
+              for k, (w, v) in enumerate(zip(weights, variants, strict=True))]
     if len({a.shape for a in arrays}) != 1:
         raise ValueError(
             f"{kind}: every source must have one shape to compare, got {[a.shape for a in arrays]}"
@@ -102,9 +102,13 @@ def _multi(kind: str, weights, tokens, p: dict, labels) -> FigureBundle:
         fig = js_distance_heatmap(js, title=f"Jensen-Shannon distance, {la} vs {lb}", zmax=p.get("zmax"))
         table = long_table(js, [], ("layer", "head")).rename(columns={"weight": "js_distance"})
         return FigureBundle(fig, table, {"js_distance": js})
-    arrays, names = _sources(kind, weights, p, labels, 2 if kind == "difference" else None)
-    maps = [a[layer, head] for a in arrays]  # (N, N) each
-    focus = p.get("focus")
+    # (N, N) each: the one head of each source (a streamed window computes that head alone), pooled
+    # into token blocks beyond MAX_OVERVIEW tokens (attnlab/figures/long_maps.py)
+    heads, names = _sources(kind, weights, p, labels, 2 if kind == "difference" else None,
+                            read=lambda w, name: head_map(w, layer, head))
+    maps, block, axis_labels, focus = pooled_panels(heads, p.get("focus"))
+    cells = "" if block == 1 else f" ({describe_block(block, 'mean')})"
+    extra = {} if block == 1 else {"block": np.array(block)}
     # one model for every panel ("M · unas", "M · dnas"): the panels are named by variant alone and
     # the figure's title names the model (the full names ran into each other above the panels)
     one_model = all(" · " in n for n in names) and len({n.rsplit(" · ", 1)[0] for n in names}) == 1
@@ -117,23 +121,25 @@ def _multi(kind: str, weights, tokens, p: dict, labels) -> FigureBundle:
             short,
             shared_scale=p.get("shared_scale", True),
             focus=focus,
-            title=f"{model}layer {layer}, head {head}"
+            title=f"{model}layer {layer}, head {head}{cells}"
             + (" — one colour scale" if p.get("shared_scale", True) else " — a colour scale per panel"),
+            axis_labels=axis_labels,
         )
         table = pd.concat(
             [long_table(m, []).assign(panel=name) for m, name in zip(maps, names, strict=True)],
             ignore_index=True,
         )
         return FigureBundle(
-            fig, table, {f"panel_{k}": m for k, m in enumerate(maps)} | {"tokens": np.array(tokens)}
+            fig, table, {f"panel_{k}": m for k, m in enumerate(maps)} | {"tokens": np.array(tokens)} | extra
         )
     diffs = [maps[0] - m for m in maps[1:]]  # (N, N) each: A - B, A - C, ...
     titles = [f"{short[0]} minus {n}" for n in short[1:]]
     if kind == "difference":
-        title = f"{names[0]} minus {names[1]}: layer {layer}, head {head}"
-        fig = panel_heatmaps(diffs, tokens, [title], diverging=True, focus=focus, title=title)
+        title = f"{names[0]} minus {names[1]}: layer {layer}, head {head}{cells}"
+        fig = panel_heatmaps(diffs, tokens, [title], diverging=True, focus=focus, title=title,
+                             axis_labels=axis_labels)
         return FigureBundle(
-            fig, long_table(diffs[0], []), {"difference": diffs[0], "tokens": np.array(tokens)}
+            fig, long_table(diffs[0], []), {"difference": diffs[0], "tokens": np.array(tokens)} | extra
         )
     lim = max(float(np.abs(d).max()) for d in diffs)
     fig = panel_heatmaps(
@@ -142,13 +148,14 @@ def _multi(kind: str, weights, tokens, p: dict, labels) -> FigureBundle:
         titles,
         diverging=True,
         focus=focus,
-        title=f"Differences from {names[0]}: layer {layer}, head {head} "
+        title=f"Differences from {names[0]}: layer {layer}, head {head}{cells} "
         f"(one scale, centred at 0, ±{lim:.3g})",
+        axis_labels=axis_labels,
     )
     table = pd.concat(
         [long_table(d, []).assign(panel=t) for d, t in zip(diffs, titles, strict=True)], ignore_index=True
     ).rename(columns={"weight": "difference"})
-    return FigureBundle(fig, table, {f"difference_{k + 1}": d for k, d in enumerate(diffs)})
+    return FigureBundle(fig, table, {f"difference_{k + 1}": d for k, d in enumerate(diffs)} | extra)
 
 
 def _one_head(kind: str, v: str, w: np.ndarray, tokens, p: dict, query_tokens=None) -> FigureBundle:

@@ -22,7 +22,7 @@ from attnlab.figures.attention import COLORSCALE, attention_heatmap
 from attnlab.figures.bundle import FigureBundle, long_table
 
 __all__ = ["MAX_OVERVIEW", "MAX_ZOOM", "POOLS", "block_pool", "block_size", "blocks_bundle", "head_map",
-           "overview_heatmap", "zoom_bundle", "zoom_region"]
+           "overview_heatmap", "pooled_panels", "zoom_bundle", "zoom_region"]
 
 MAX_OVERVIEW = 512  # cells per side of the downsampled map at most
 MAX_ZOOM = 512  # cells per side of a zoomed region at most (each labelled with its token)
@@ -80,6 +80,20 @@ def head_map(weights, layer: int, head: int) -> np.ndarray:
     weights compute a head on access (HeadMaps: no other head computed), else ``weights[layer, head]``."""
     one = weights.head(layer, head) if hasattr(weights, "head") else weights[layer, head]
     return as_array(one, "weights[layer, head]", 2)
+
+
+def pooled_panels(maps: Sequence[np.ndarray], focus: int | None = None):
+    """Maps compared side by side (panels, their differences), each (M, N) of one head: unchanged while
+    both sides fit ``MAX_OVERVIEW`` cells, else every map pooled into the same b x b token blocks
+    (means: the block mean of A - B is the mean of A's block minus B's). -> (maps, block, (query
+    labels, key labels) or None, focus's cell or None); the labels are the blocks' token ranges."""
+    M, N = maps[0].shape
+    block = block_size(max(M, N))
+    if block == 1:
+        return list(maps), 1, None, focus
+    labels = tuple([f"{a}–{min(a + block, n) - 1}" for a in range(0, n, block)] for n in (M, N))
+    cell = None if focus is None else int(focus) // block
+    return [block_pool(m, block) for m in maps], block, labels, cell
 
 
 def describe_block(block: int, how: str) -> str:

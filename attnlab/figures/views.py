@@ -168,13 +168,16 @@ def panel_heatmaps(
     focus: int | None = None,
     title: str = "",
     panel_px: int = 420,
+    axis_labels: tuple[Sequence[str], Sequence[str]] | None = None,
 ) -> go.Figure:
     """Several (N, N) maps side by side in one figure.
 
     shared_scale: one colour axis and one colour bar for every panel (the same colour means the same
     weight); False gives each panel its own range and colour bar. diverging: a red-blue scale centred
     at 0 with a symmetric range +-max|value| (difference maps); the colour bar states the range.
-    Axis categories are position-labelled tokens ("3: the"); ``focus`` outlines a token in every panel.
+    Axis categories are position-labelled tokens ("3: the"), or ``axis_labels`` (query labels, key
+    labels) as given, e.g. the token ranges of pooled maps; ``focus`` outlines a row and column (a token,
+    or a pooled map's cell) in every panel.
     The app draws the figure at its container's width: the key labels (every k-th) and the panel
     titles (wrapped) are sized for the narrowest, :data:`NARROWEST_PX`, so that none collide there.
     """
@@ -186,9 +189,13 @@ def panel_heatmaps(
     if len(titles) != len(arrays):
         raise ValueError(f"got {len(arrays)} maps and {len(titles)} titles")
     M, N = arrays[0].shape
-    keys = check_tokens(tokens, N)
     focus = check_focus(focus, max(M, N))
-    xs, ys = position_labels(keys), position_labels(keys if M == N else [str(i) for i in range(M)])
+    if axis_labels is not None:
+        ys, xs = (check_tokens(names, n, "axis_labels")
+                  for names, n in zip(axis_labels, (M, N), strict=True))
+    else:
+        keys = check_tokens(tokens, N)
+        xs, ys = position_labels(keys), position_labels(keys if M == N else [str(i) for i in range(M)])
     n = len(arrays)
     # room between panels: a gap, or a colour bar with its ticks when each panel has its own
     spacing = (0.1 / n + 0.03) if shared_scale else 0.12
