@@ -961,3 +961,25 @@ def test_fused_js_distances_are_accurate_for_close_and_far_rows(scale):
         expected = js.clamp_min(0).sqrt()  # (H, N) JS distance, base 2
         got = sums[v]["js"].reshape(H, N).double()
         torch.testing.assert_close(got, expected, rtol=2e-4, atol=2e-7, msg=f"{v} at scale {scale}")
+
+
+def test_swap_mode_beyond_the_materialize_limit_is_refused_before_any_forward(tiny_model_dir, monkeypatch):
+    """Swap mode keeps every variant's whole (L, H, N, N) weights (nothing streams): beyond the limit a
+    streamed window materializes up to, a worded ValueError with the sizes, before the model runs (a
+    causal model's whole-context window ran out of memory instead); recompute mode streams the same text."""
+    from attnlab.hf.compute import head_maps
+
+    loaded = hf.load_model(tiny_model_dir("llama"))
+    text = " ".join(CORPUS)
+    n = len(hf.analyze(text, loaded, ["unas"]).windows[0].tokens)
+    need = 4 * 2 * 2 * 4 * n * n  # unas and dnas, 2 layers x 4 heads, float32
+    monkeypatch.setattr(head_maps, "MATERIALIZE_LIMIT", need - 1)
+    calls = []
+    monkeypatch.setattr(loaded.model, "forward", lambda *a, **k: calls.append(1))
+    with pytest.raises(ValueError, match=rf"mode='swap' keeps every variant's whole weights of a window: 2 x "
+                                         rf"\(L, H, N, N\) = \(2, 4, {n}, {n}\).*use mode='recompute'"):
+        hf.analyze(text, loaded, ["unas", "dnas"], mode="swap")
+    assert calls == []
+    monkeypatch.undo()
+    monkeypatch.setattr(head_maps, "MATERIALIZE_LIMIT", need)  # at the limit: runs
+    assert hf.analyze(text, loaded, ["unas", "dnas"], mode="swap").windows[0].weights["dnas"].shape[-1] == n

@@ -179,6 +179,23 @@ def _causal_notes(model_name: str, variants: Sequence[str], given: dict) -> list
     return notes
 
 
+def _check_swap_size(info: ModelInfo, variants, windowing) -> None:
+    """Swap mode returns every variant's whole (L, H, N, N) weights of a window (the swapped forward
+    computes them; nothing streams): refused before any forward beyond the limit a streamed window's
+    weights materialize up to (``head_maps.MATERIALIZE_LIMIT``), instead of running out of memory."""
+    from attnlab.hf.compute import head_maps
+
+    n = min(windowing.content, windowing.n_tokens) + windowing.window - windowing.content  # longest window
+    need = 4 * len(variants) * info.n_layers * info.n_heads * n * n
+    if need > head_maps.MATERIALIZE_LIMIT:
+        raise ValueError(
+            f"mode='swap' keeps every variant's whole weights of a window: {len(variants)} x (L, H, N, N) = "
+            f"({info.n_layers}, {info.n_heads}, {n:,}, {n:,}) float32, {head_maps.size_text(need)}, over the "
+            f"{head_maps.size_text(head_maps.MATERIALIZE_LIMIT)} limit (ATTNLAB_MATERIALIZE_LIMIT_MB); use "
+            "mode='recompute' (the model's own q and k, streamed in bounded memory), fewer variants or a "
+            "smaller window")
+
+
 def _windowing_note(info: ModelInfo, windowing: Windowing, given: int | None) -> str:
     """Which windowing a causal model's analysis uses, in words (the CLI prints it, the app shows it)."""
     n = windowing.n_tokens
@@ -256,6 +273,8 @@ def stream_analysis(
     check_token_ids(tokenized, prefix + suffix, loaded.model.get_input_embeddings().num_embeddings,
                     loaded.tokenizer)  # ids the embedding has no row for: a worded error, not IndexError
     windowing = plan_windows(len(tokenized), window, len(prefix) + len(suffix), overlap)
+    if mode == "swap":
+        _check_swap_size(info, variants, windowing)
     if info.causal:
         notes.append(_windowing_note(info, windowing, given_window))
     return AnalysisStream(

@@ -14,13 +14,14 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["HeadMaps", "MATERIALIZE_LIMIT"]
+__all__ = ["HeadMaps", "MATERIALIZE_LIMIT", "size_text"]
 
 # Largest whole (L, H, N, N) a HeadMaps materializes (bytes; env ATTNLAB_MATERIALIZE_LIMIT_MB).
 MATERIALIZE_LIMIT = int(os.environ.get("ATTNLAB_MATERIALIZE_LIMIT_MB", "2048")) << 20
 
 
-def _size(b: int) -> str:
+def size_text(b: int) -> str:
+    """Bytes as "1.5 GiB" or "300 MiB"."""
     return f"{b / 2**30:.1f} GiB" if b >= 2**30 else f"{b / 2**20:.0f} MiB"
 
 
@@ -125,7 +126,7 @@ class HeadMaps:
                 L, H, N = self.shape[0], self.shape[1], self.shape[2]
                 raise ValueError(
                     f"{self.variant}'s weights of this window are (L, H, N, N) = ({L}, {H}, {N}, {N}): "
-                    f"{_size(need)} in float32, over the {_size(MATERIALIZE_LIMIT)} limit "
+                    f"{size_text(need)} in float32, over the {size_text(MATERIALIZE_LIMIT)} limit "
                     "(ATTNLAB_MATERIALIZE_LIMIT_MB). Read one head (weights[variant][layer, head], (N, N)) "
                     "or one layer (weights[variant][layer]) at a time; the statistics (table()) never "
                     "need the weights")
