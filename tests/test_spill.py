@@ -100,3 +100,24 @@ def test_mapped_layers_map_afresh_and_refuse_slices(tiny_model_dir, english_text
     assert len(list(layers)) == len(layers) == loaded.info.n_layers
     with pytest.raises(TypeError, match="one layer index"):
         layers[0:2]
+
+
+def test_a_spill_folder_without_room_is_a_worded_error_before_writing(tiny_model_dir, english_text,
+                                                                      monkeypatch, tmp_path):
+    """Too little free space where the q and k file would go (a small tmpfs /tmp, a full disk): a
+    ValueError naming the sizes, the folder and ATTNLAB_SPILL_DIR, at the first layer; nothing written."""
+    import shutil
+    from collections import namedtuple
+
+    from attnlab import hf
+
+    loaded = hf.load_model(tiny_model_dir("llama"))
+    monkeypatch.setenv("ATTNLAB_SPILL_DIR", str(tmp_path))
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda folder: usage(10**9, 10**9 - 100, 100))
+    with pytest.raises(ValueError, match=rf"keeps its q and k in a file of .* GiB, and {tmp_path} has "
+                                         r"0.0 GiB free: set ATTNLAB_SPILL_DIR"):
+        _analyse(loaded, english_text[:400], 0, monkeypatch)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(shutil, "disk_usage", lambda folder: usage(10**12, 0, 10**12))
+    assert isinstance(_analyse(loaded, english_text[:400], 0, monkeypatch).weights["unas"], HeadMaps)

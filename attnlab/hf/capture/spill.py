@@ -27,6 +27,7 @@ import ctypes
 import functools
 import mmap
 import os
+import shutil
 import tempfile
 import threading
 from dataclasses import dataclass, replace
@@ -62,6 +63,23 @@ def spill_for(info, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Sp
     if not (info.causal and one_text and input_ids.device.type == "cpu"):
         return None
     return Spill(spill_bytes(), info.n_layers)
+
+
+def spill_dir() -> str:
+    """The spill file's folder: ``ATTNLAB_SPILL_DIR``, else the system's temporary folder."""
+    return os.environ.get("ATTNLAB_SPILL_DIR") or tempfile.gettempdir()
+
+
+def check_room(need: int, n_tokens: int) -> None:
+    """A worded ValueError, before anything is written, when the spill folder has less free space
+    than the window's q and k take (a disk filling up mid-forward, or a small tmpfs /tmp, otherwise)."""
+    folder = spill_dir()
+    free = shutil.disk_usage(folder).free
+    if need > free:
+        raise ValueError(
+            f"a window of {n_tokens:,} tokens keeps its q and k in a file of {need / 2**30:.1f} GiB, and "
+            f"{folder} has {free / 2**30:.1f} GiB free: set ATTNLAB_SPILL_DIR to a folder on a larger disk, "
+            "or pass a smaller window")
 
 
 @dataclass(frozen=True)
@@ -101,6 +119,8 @@ class Spill:
         if self.active is None:
             per_layer = q.numel() * q.element_size() + k.numel() * k.element_size()
             self.active = q.device.type == "cpu" and per_layer * self.n_layers > self.budget
+            if self.active:
+                check_room(per_layer * self.n_layers, q.shape[-2])
         if not self.active:
             return captured
         sq, sk = self.put(q), self.put(k)
@@ -113,7 +133,7 @@ class Spill:
         data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
         with self._lock:
             if self._file is None:
-                self._file = tempfile.TemporaryFile(dir=os.environ.get("ATTNLAB_SPILL_DIR") or None)
+                self._file = tempfile.TemporaryFile(dir=spill_dir())
             stored = Stored(self._end, tuple(tensor.shape), tensor.dtype)
             self._file.seek(self._end)
             self._file.write(memoryview(data))
