@@ -45,3 +45,14 @@ def test_a_tiny_null_key_share_keeps_its_digits():
     got, js2 = softmax1_sums(unas, lnt, torch.zeros(1, 2))
     torch.testing.assert_close(js2, torch.full((1, 2), 0.25e-24), rtol=1e-4, atol=0)
     torch.testing.assert_close(got["entropy"], torch.full((1, 2), 1e-12), rtol=1e-4, atol=0)  # -r ln r
+
+
+def test_a_null_key_that_takes_everything_gives_the_limit():
+    """t = e^174 (a row whose scores all lie ~170 below the null key's 0): softmax1's weights are ~1e-76,
+    so twice the divergence to unas is ln 2 (sum q ln 2q/q), as the materialized weights give; log1p(-d)
+    with d rounded to 1 made it -inf and the JS distance 0."""
+    lnt = torch.tensor([[174.0, 60.0]])
+    unas = {"rowsum": torch.ones(1, 2), "entropy": torch.zeros(1, 2), "distance": torch.zeros(1, 2),
+            "special": None}
+    _, js2 = softmax1_sums(unas, lnt, torch.zeros(1, 2))
+    torch.testing.assert_close(js2, torch.full((1, 2), math.log(2.0)), rtol=1e-6, atol=0)

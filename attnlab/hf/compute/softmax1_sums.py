@@ -20,10 +20,14 @@ def softmax1_sums(unas: dict, lnt: torch.Tensor, cols: torch.Tensor) -> tuple[di
     its row sum, distance and special masses are r_i times unas'; its entropy -sum p ln p = r_i H_u -
     r_i ln r_i sum_j p_u; and 2 JSD = sum_j [p ln (2p / (p + q)) + q ln (2q / (p + q))] with p = r q is
     (r log1p(-d) + log1p(d)) sum_j q, d = (1 - r) / (1 + r) = t / (2 + t). In float64 from ln t, so
-    that 1 - r and d keep their digits when t is tiny (r close to 1)."""
+    that 1 - r and d keep their digits when t is tiny (r close to 1), and ln(1 - d) its own when t is huge."""
     x = lnt.double()
     r, ln_r = torch.sigmoid(-x), -torch.nn.functional.softplus(x)  # r = 1 / (1 + e^x), ln r
     d = torch.sigmoid(x - math.log(2.0))  # t / (2 + t) = 1 / (1 + 2 e^-x)
+    # ln(1 - d): log1p(-d) while t < 1 (its rounding cancels log1p(d)'s in the O(t^2) divergence of a
+    # tiny t); -ln(1 + t / 2) beyond, where log1p(-d) would be log1p(-1) = -inf once d rounds to 1 (t past
+    # ~1e17: a row whose scores all lie ~40 below 0) and r times it -inf, when the term r ln(1 - d) -> 0
+    ln_1md = torch.where(x > 0, -torch.nn.functional.softplus(x - math.log(2.0)), torch.log1p(-d))
     total = unas["rowsum"].double()
     out = {
         "cols": cols,
@@ -33,5 +37,5 @@ def softmax1_sums(unas: dict, lnt: torch.Tensor, cols: torch.Tensor) -> tuple[di
         "special": None if unas["special"] is None
         else (r[..., None] * unas["special"].double()).to(cols.dtype),
     }
-    js2 = ((r * torch.log1p(-d) + torch.log1p(d)) * total).to(cols.dtype)
+    js2 = ((r * ln_1md + torch.log1p(d)) * total).to(cols.dtype)
     return out, js2
