@@ -6,8 +6,8 @@ variants' factors, the term p ln(2p / (p + q)) + q ln(2q / (p + q)) = (p + q) ch
 
     chi(t) = t tanh(t / 2) - 2 ln cosh(t / 2) = (1 + d) ln(1 + d) + (1 - d) ln(1 - d),  d = tanh(t / 2),
 
-even in t, t^2 / 4 near 0, 2 ln 2 as |t| grows. The table holds g(t) = chi(t) / (2 t^2) on 16
-intervals of |t| in [0, 24), 1.5 wide, each as a degree-7 polynomial in the position u in [0, 1)
+even in t, t^2 / 4 near 0, 2 ln 2 as |t| grows. The table holds g(t) = chi(t) / (2 t^2) on 32
+intervals of |t| in [0, 24), 0.75 wide, each as a degree-5 polynomial in the position u in [0, 1)
 within its interval (so chi keeps its relative accuracy for close rows): Chebyshev interpolation of g
 computed in 40-digit arithmetic (mpmath), converted to powers of u, rounded to float32. The script
 then evaluates the table as the kernel does (float32 Horner, times a^2) on a dense grid and prints the
@@ -20,7 +20,7 @@ import mpmath
 import numpy as np
 from numpy.polynomial import chebyshev, polynomial
 
-INTERVALS, WIDTH, DEGREE = 16, 1.5, 7
+INTERVALS, WIDTH, DEGREE = 32, 0.75, 5
 mpmath.mp.dps = 40
 
 

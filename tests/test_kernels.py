@@ -744,7 +744,7 @@ def test_the_js_table_is_the_fit_of_its_script():
 
     root = pathlib.Path(__file__).resolve().parents[1]
     header = (root / "attnlab" / "csrc" / "analysis_vec.h").read_text()
-    body = header[header.index("kChiTable[8][16] = {"):]
+    body = header[header.index("kChiTable[6][32] = {"):]
     body = body[: body.index("};")]
     number = r"(-?[0-9.]+e[-+][0-9]+)f"
     rows = [[float(v) for v in re.findall(number, line)] for line in body.splitlines()[1:]]

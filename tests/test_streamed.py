@@ -274,11 +274,14 @@ def _kernel_ops():
 
 
 @pytest.mark.parametrize("case", ["gqa", "mha", "mqa", "sliding", "softcap_sliding", "mask_tensor",
-                                  "long_rows"])
+                                  "long_rows", "wide_later", "wide_first"])
 def test_causal_kernel_equals_the_pytorch_tiles(case, monkeypatch):
     """attnlab's causal analysis kernel (analysis_causal.h) against the PyTorch tiles it replaces,
     which the tests above hold to the materialized reference: every row sum of unas, dnas, hnas (u per
-    head, 0 and 1 included) and one-round Sinkhorn."""
+    head, 0 and 1 included) and one-round Sinkhorn. wide_later / wide_first: scores beyond the kernel's
+    reference band (a head's largest score of its first 32 rows, M: [M - 80, M + 30]) from row 40 on /
+    from the first block on, so its heads leave the one-exponential reference form for the per-column
+    maxima midway / at once."""
     if _kernel_ops() is None:
         pytest.skip("attnlab's causal analysis kernel is not built here (needs AVX-512)")
     N = 301 if case == "long_rows" else 67
@@ -290,6 +293,17 @@ def test_causal_kernel_equals_the_pytorch_tiles(case, monkeypatch):
     layers = [_layer(seed=s, N=N, **kw) for s in range(2)]
     if case == "mask_tensor":
         assert causal_kernel.plain_causal(layers[0])
+    if case.startswith("wide"):
+        first = 0 if case == "wide_first" else 40
+        for x in layers:
+            x.query[:, first:] *= 12.0
+            s = x.query @ x.key.repeat_interleave(x.group, 0).transpose(-1, -2) * x.scale
+            s = s.masked_fill(torch.ones(N, N, dtype=torch.bool).triu(1), float("nan"))
+            M = s[:, :32].nan_to_num(-1e30).amax(dim=(1, 2))  # per head
+            rest = s[:, first:]
+            above = rest.nan_to_num(-1e30).amax(dim=(1, 2)) > M + 30
+            below = rest.nan_to_num(1e30).amin(dim=(1, 2)) < M - 80
+            assert bool((above | below).all()), "every head leaves the band"
     variants = ("unas", "dnas", "hnas", "sinkhorn", "softmax1")
     u = torch.tensor([[0.0, 0.3, 0.7, 1.0], [0.5, 0.5, 0.2, 0.9]])
     params = {v: check_params(v, {"u": u}, causal=True) for v in variants}

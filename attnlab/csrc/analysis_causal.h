@@ -18,13 +18,19 @@
 // of softmax1 = p / (1 + t_i) (its other sums follow from unas', attnlab/hf/compute/softmax1_sums.py).
 //
 // Per head, rows in order (the column states make a head sequential; heads go to torch's threads):
-// a block of kRows rows' scores against the keys they see (BLAS, while in L2), then per row
-//   pass A  e_j = exp(s_j - max), and each column's running maximum m_j and sum z_j of the causal
-//           prefix (causal_cpu.cpp's row_step): P_j = exp(s_j - c_j(i)) = (s_j > m_j ? 1 : e^{s_j - m_j}) / z_j
-//   pass B  p = e / sum e, p_d = P / sum P, h = (1 - u) p + u p_d: column sums, distances, special
-//           masses; entropies (unas in closed form, ln p_d = ln P - ln sum P, ln h); the Jensen-Shannon
-//           terms (p + p_v) chi(ln p_v - ln p) / 2 from the table of analysis_vec.h (no cancellation,
-//           exact where p underflows to 0: then the term is p_v ln 2).
+// a block of kCausalRows rows' scores against the keys they see (BLAS), then per row
+//   pass A  e_j = exp(s_j - max), DNAS's P_j = exp(s_j - c_j(i)) with c_j(i) the log-sum-exp of column
+//           j over queries 0..i, and ln P_j; the sums that are linear in e or P (row sums, distances,
+//           special masses, sum P ln P) before the row's normalizers. The column state is Z_j =
+//           sum exp(s - M) against the head's reference M (the largest score of its first block), so
+//           that P_j = exp(s_j - M) / Z_j and e_j = exp(s_j - M) exp(M - max) take one exponential, while
+//           every score lies in [M - 80, M + 30]; from the first row that leaves that band on, each
+//           column's running maximum m_j and z_j = sum exp(s - m_j) (causal_cpu.cpp's row_step), which
+//           Z_j is with m_j = M
+//   pass B  p = e / sum e, p_d = P / sum P, h = (1 - u) p + u p_d: column sums; hnas' entropy (ln h); the
+//           Jensen-Shannon terms (p + p_v) chi(ln p_v - ln p) / 2 from the table of analysis_vec.h (no
+//           cancellation, exact where p underflows to 0: then the term is p_v ln 2). hnas' linear sums
+//           (row sums, distances, special masses, column sums) are (1 - u) unas' + u dnas' (Eq. 12).
 // AVX-512 only (the table); elsewhere the op is not built and the caller streams in PyTorch.
 #pragma once
 #include "kernel_common.h"
@@ -70,6 +76,89 @@ struct CausalLayer {
   float* s1 = nullptr;  // (2, H, N): softmax1's ln t_i and column masses, when asked for
 };
 
+// A score at least this far below the head's reference M, or this far above it, ends the reference
+// form (see pass A): exp(s - M) stays a normal float and the column sums far from overflow.
+constexpr float kBelowM = 80.f, kAboveM = 30.f;
+
+// 1 / x for x > 0: the 14-bit estimate and one Newton step (~1 ulp; a division costs more here)
+inline __m512 vrecip16(__m512 x) {
+  const __m512 r = _mm512_rcp14_ps(x);
+  return _mm512_mul_ps(r, _mm512_fnmadd_ps(x, r, _mm512_set1_ps(2.f)));
+}
+
+// The largest and the smallest of x[0..n), n >= 1; mx is NaN when some x is
+inline void row_range(const float* x, int64_t n, float& mx, float& mn) {
+  __m512 hi = _mm512_set1_ps(-INFINITY), lo = _mm512_set1_ps(INFINITY);
+  __mmask16 nan = 0;
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 in = j + 16 <= n ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1u);
+    const __m512 v = _mm512_maskz_loadu_ps(in, x + j);
+    hi = _mm512_mask_max_ps(hi, in, hi, v), lo = _mm512_mask_min_ps(lo, in, lo, v);
+    nan |= _mm512_mask_cmp_ps_mask(in, v, v, _CMP_UNORD_Q);
+  }
+  mx = nan ? NAN : _mm512_reduce_max_ps(hi), mn = _mm512_reduce_min_ps(lo);
+}
+
+// One row's pass A sums over its keys, 16 lanes each, before the row's normalizers 1 / sum e, 1 / sum P
+struct RowSums {
+  __m512 zs, sx, r, pl, de, dp;  // sum e, sum e (s - max), sum P, sum P ln P, sum e (i - j), sum P (i - j)
+  __m512 se[8], sp[8];           // sum e t_b, sum P t_b (key mask b)
+};
+
+// Pass A of row i over its w visible keys s[0..w) (keys lo .. i): e = exp(s - max) -> e, DNAS's P and
+// ln P (Eq. 5, causal: each column over its prefix of queries) -> pv, lp (0 past the row), the column
+// state updated, and the row's sums. Reference form (kRef): column j's state is Z_j = sum exp(s - M)
+// over its queries so far, against the head's reference M, so that P = exp(s - M) / Z_j needs one
+// exponential (e = exp(s - M) exp(M - max)); valid while every score is in [M - kBelowM, M + kAboveM].
+// Otherwise per column its running maximum m_j and z_j = sum exp(s - m_j) (causal_cpu.cpp's row_step).
+template <bool kRef>
+inline void pass_a(const float* s, int64_t w, float mx, float M, float* mj, float* zj, const float* spec,
+                   int64_t NP, int64_t S, float base, __m512 lane, float* e, float* pv, float* lp, RowSums& A) {
+  const __m512 amx = _mm512_set1_ps(mx), vM = _mm512_set1_ps(M), one = _mm512_set1_ps(1.f),
+               zero = _mm512_setzero_ps(), beta = _mm512_set1_ps(kRef ? std::exp(M - mx) : 0.f),
+               lo87 = _mm512_set1_ps(-87.f);
+  constexpr int64_t V = 16;
+  const int64_t wp = (w + V - 1) / V * V;
+  for (int64_t j = 0; j < wp; j += V) {
+    const __mmask16 in = j + V <= w ? __mmask16(0xFFFF) : __mmask16((1u << (w - j)) - 1u);
+    const __m512 sv = _mm512_maskz_loadu_ps(in, s + j), x = _mm512_sub_ps(sv, amx);
+    __m512 ev, pj, lnp;
+    if constexpr (kRef) {
+      const __m512 xm = _mm512_sub_ps(sv, vM);  // in [-kBelowM, kAboveM]
+      const __m512 ea = _mm512_maskz_mov_ps(in, vexp_nonpos(xm));
+      ev = _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(x, lo87, _CMP_GE_OQ) & in, ea, beta);  // 0 below -87, as vexp
+      const __m512 zn = _mm512_add_ps(_mm512_maskz_loadu_ps(in, zj + j), ea);
+      _mm512_mask_storeu_ps(zj + j, in, zn);
+      const __m512 zsafe = _mm512_mask_blend_ps(in, one, zn);  // > 0: zn >= exp(s - M) >= exp(-kBelowM)
+      pj = _mm512_mul_ps(ea, vrecip16(zsafe));
+      lnp = _mm512_maskz_sub_ps(in, xm, fast_log(zsafe));  // ln P = (s - M) - ln Z
+    } else {
+      ev = _mm512_maskz_mov_ps(in, vexp_nonpos(x));
+      const __m512 mv = _mm512_maskz_loadu_ps(in, mj + j), zv = _mm512_maskz_loadu_ps(in, zj + j);
+      const __m512 d = _mm512_sub_ps(sv, mv);
+      const __mmask16 up = _mm512_cmp_ps_mask(d, zero, _CMP_GT_OQ) & in;
+      const __m512 ed = vexp_nonpos(_mm512_sub_ps(zero, _mm512_abs_ps(d)));  // e^{-|d|}
+      const __m512 zn = _mm512_mask_blend_ps(up, _mm512_add_ps(zv, ed), _mm512_fmadd_ps(zv, ed, one));
+      _mm512_mask_storeu_ps(zj + j, in, zn);
+      _mm512_mask_storeu_ps(mj + j, up, sv);
+      const __m512 zsafe = _mm512_mask_blend_ps(in, one, zn);
+      pj = _mm512_maskz_mul_ps(in, _mm512_mask_blend_ps(up, ed, one), vrecip16(zsafe));
+      lnp = _mm512_maskz_sub_ps(in, _mm512_maskz_mov_ps(~up, d), fast_log(zsafe));  // ln P = s - m - ln z
+    }
+    _mm512_storeu_ps(e + j, ev);
+    _mm512_storeu_ps(pv + j, pj);
+    _mm512_storeu_ps(lp + j, lnp);
+    A.zs = _mm512_add_ps(A.zs, ev), A.sx = _mm512_fmadd_ps(ev, x, A.sx);
+    A.r = _mm512_add_ps(A.r, pj), A.pl = _mm512_fmadd_ps(pj, lnp, A.pl);
+    const __m512 dist = _mm512_sub_ps(_mm512_set1_ps(base - float(j)), lane);  // i - (lo + j + lane)
+    A.de = _mm512_fmadd_ps(ev, dist, A.de), A.dp = _mm512_fmadd_ps(pj, dist, A.dp);
+    for (int64_t b = 0; b < S; ++b) {
+      const __m512 t = _mm512_loadu_ps(spec + b * NP + j);
+      A.se[b] = _mm512_fmadd_ps(ev, t, A.se[b]), A.sp[b] = _mm512_fmadd_ps(pj, t, A.sp[b]);
+    }
+  }
+}
+
 // Head h of the layer; false when it has to be recomputed (see redo above).
 inline bool causal_head(const CausalLayer& L, int64_t h) {
   const int64_t N = L.N, D = L.D, S = L.S, V = Vec::size(), NP = N + V;
@@ -77,103 +166,101 @@ inline bool causal_head(const CausalLayer& L, int64_t h) {
   const float* k = L.k + (h / L.R) * N * D;
   const float uh = L.u[h];
   const int64_t ldE = NP;  // a row of the block's exponentials: keys lo0 .. i1 - 1, then V spare lanes
-  std::vector<float> block(kCausalRows * N), eblk(kCausalRows * ldE), pv(NP), lp(NP), zn(NP), m(N, -1e30f),
-      z(N, 1.f), zrow(kCausalRows), ob(L.v ? kCausalRows * L.Dv : 0);
-  std::vector<float> cu(NP, 0.f), cd(NP, 0.f), ch(NP, 0.f), spec(S * NP, 0.f), c1(L.s1 ? NP : 0, 0.f);
+  std::vector<float> block(kCausalRows * N), eblk(kCausalRows * ldE), pv(NP), lp(NP), m(N, -1e30f),
+      z(N, 0.f), zrow(kCausalRows), ob(L.v ? kCausalRows * L.Dv : 0);
+  std::vector<float> cu(NP, 0.f), cd(NP, 0.f), spec(S * NP, 0.f), c1(L.s1 ? NP : 0, 0.f);
   for (int64_t s = 0; s < S; ++s) std::copy(L.spec + s * N, L.spec + (s + 1) * N, spec.data() + s * NP);
   float lanes[64];
   for (int64_t l = 0; l < V; ++l) lanes[l] = float(l);
-  const Vec lane = Vec::loadu(lanes);
+  const __m512 lane = _mm512_loadu_ps(lanes);
   auto out = [&](float* base, int64_t slot) { return base + (slot * L.H + h) * N; };
+  float M = -1e30f;   // the head's reference (pass A): the largest score of the first block of rows
+  bool ref = true;    // the reference form still holds
   SerialBlas serial;
   for (int64_t i0 = 0; i0 < N; i0 += kCausalRows) {
     const int64_t i1 = std::min(N, i0 + kCausalRows);
     const int64_t lo0 = L.window > 0 ? std::max<int64_t>(0, i0 - L.window + 1) : 0, w0 = i1 - lo0;
     gemm_abt(i1 - i0, w0, D, L.scale, q + i0 * D, D, k + lo0 * D, D, 0.f, block.data(), w0);
-    if (L.v) std::fill(eblk.begin(), eblk.begin() + (i1 - i0) * ldE, 0.f);
+    if (L.softcap > 0.f) {
+      const float c = L.softcap, ic = 1.f / c;
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t lo = L.window > 0 ? std::max<int64_t>(0, i - L.window + 1) : 0;
+        float* s = block.data() + (i - i0) * w0 + (lo - lo0);
+        for (int64_t j = 0; j < i - lo + 1; ++j) s[j] = c * std::tanh(s[j] * ic);
+      }
+    }
+    if (i0 == 0)  // rows 0 .. i1 - 1 see keys 0 .. i1 - 1 at most: the block's largest visible score
+      for (int64_t i = 0; i < i1; ++i) {
+        const int64_t lo = L.window > 0 ? std::max<int64_t>(0, i - L.window + 1) : 0;
+        M = std::max(M, row_max(block.data() + i * w0 + lo, i - lo + 1));
+      }
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t lo = L.window > 0 ? std::max<int64_t>(0, i - L.window + 1) : 0, w = i - lo + 1;
-      float* s = block.data() + (i - i0) * w0 + (lo - lo0);
-      float* e = eblk.data() + (i - i0) * ldE + (lo - lo0);  // (wp <= w + V - 1 floats: inside the row)
-      if (L.softcap > 0.f) {
-        const float c = L.softcap, ic = 1.f / c;
-        for (int64_t j = 0; j < w; ++j) s[j] = c * std::tanh(s[j] * ic);
-      }
-      const float mx = row_max(s, w);
-      if (!std::isfinite(mx)) return false;
-      // pass A, 16 keys at a time (lanes past the row masked: no column state of a later key changes)
-      const __m512 amx = _mm512_set1_ps(mx), one = _mm512_set1_ps(1.f), zero = _mm512_setzero_ps();
-      __m512 vzs = zero, vsx = zero, vr = zero;
-      float *mj = m.data() + lo, *zj = z.data() + lo;
       const int64_t wp = (w + V - 1) / V * V;
-      for (int64_t j = 0; j < wp; j += V) {
-        const __mmask16 in = j + V <= w ? __mmask16(0xFFFF) : __mmask16((1u << (w - j)) - 1u);
-        const __m512 sv = _mm512_maskz_loadu_ps(in, s + j), x = _mm512_sub_ps(sv, amx);
-        const __m512 ev = _mm512_maskz_mov_ps(in, vexp_nonpos(x));
-        vzs = _mm512_add_ps(vzs, ev);
-        vsx = _mm512_fmadd_ps(ev, x, vsx);
-        const __m512 mv = _mm512_maskz_loadu_ps(in, mj + j), zv = _mm512_maskz_loadu_ps(in, zj + j);
-        const __m512 d = _mm512_sub_ps(sv, mv);
-        const __mmask16 up = _mm512_cmp_ps_mask(d, zero, _CMP_GT_OQ) & in;
-        const __m512 ed = vexp_nonpos(_mm512_sub_ps(zero, _mm512_abs_ps(d)));  // e^{-|d|}
-        const __m512 zn_ = _mm512_mask_blend_ps(up, _mm512_add_ps(zv, ed), _mm512_fmadd_ps(zv, ed, one));
-        const __m512 pj = _mm512_maskz_div_ps(in, _mm512_mask_blend_ps(up, ed, one), zn_);
-        _mm512_mask_storeu_ps(zj + j, in, zn_);
-        _mm512_mask_storeu_ps(mj + j, up, sv);
-        _mm512_storeu_ps(e + j, ev);
-        _mm512_storeu_ps(pv.data() + j, pj);
-        _mm512_storeu_ps(lp.data() + j, _mm512_maskz_mov_ps(in & ~up, d));  // ln P = lp - ln z
-        _mm512_storeu_ps(zn.data() + j, _mm512_mask_blend_ps(in, one, zn_));
-        vr = _mm512_add_ps(vr, pj);
+      const float* s = block.data() + (i - i0) * w0 + (lo - lo0);
+      float* e = eblk.data() + (i - i0) * ldE + (lo - lo0);  // (wp <= w + V - 1 floats: inside the row)
+      float mx, mn;
+      row_range(s, w, mx, mn);
+      if (!std::isfinite(mx)) return false;
+      if (ref && !(mx <= M + kAboveM && mn >= M - kBelowM)) {
+        ref = false;  // per column m_j, z_j from here on: Z_j = sum exp(s - M) is that state with m_j = M
+        std::fill(m.begin(), m.begin() + i, M);
       }
-      const float zs = _mm512_reduce_add_ps(vzs), sx = _mm512_reduce_add_ps(vsx), r = _mm512_reduce_add_ps(vr);
+      RowSums A;
+      A.zs = A.sx = A.r = A.pl = A.de = A.dp = _mm512_setzero_ps();
+      for (int64_t b = 0; b < S; ++b) A.se[b] = A.sp[b] = _mm512_setzero_ps();
+      const float base = float(i - lo);
+      if (L.v) {  // the block's exponentials outside this row's keys are 0 for the output's product
+        float* row = eblk.data() + (i - i0) * ldE;
+        std::fill(row, e, 0.f);
+        if (e + wp < row + w0) std::fill(e + wp, row + w0, 0.f);
+      }
+      if (ref)
+        pass_a<true>(s, w, mx, M, nullptr, z.data() + lo, spec.data() + lo, NP, S, base, lane, e, pv.data(),
+                     lp.data(), A);
+      else
+        pass_a<false>(s, w, mx, M, m.data() + lo, z.data() + lo, spec.data() + lo, NP, S, base, lane, e,
+                      pv.data(), lp.data(), A);
+      const float zs = _mm512_reduce_add_ps(A.zs), sx = _mm512_reduce_add_ps(A.sx), r = _mm512_reduce_add_ps(A.r);
       if (!(r > 1e-30f) || !std::isfinite(sx)) return false;
       zrow[i - i0] = zs;
-      const float lz = std::log(zs), lr = std::log(r), iz = 1.f / zs, ir = 1.f / r;
+      const float lz = std::log(zs), lr = std::log(r), iz = 1.f / zs, ir = 1.f / r, u1 = 1.f - uh;
       const float lnt = -mx - lz;  // softmax1: ln t_i; its weights p / (1 + t_i)
+      // pass B: p = e / sum e, p_d = P / sum P, h = (1 - u) p + u p_d: column sums, the hnas entropy and
+      // the Jensen-Shannon terms (everything linear in p and p_d came from pass A's sums)
       const Vec vr1(L.s1 ? 1.f / (1.f + std::exp(lnt)) : 0.f);
-      const Vec viz(iz), vir(ir), vlz(lz), vlr(lr), vmx(mx), vu(uh), vu1(1.f - uh), tiny(1e-37f);
-      Vec rs_u(0.f), rs_d(0.f), rs_h(0.f), di_u(0.f), di_d(0.f), di_h(0.f), en_d(0.f), en_h(0.f), js_d(0.f),
-          js_h(0.f);
-      Vec sp[3][8];
-      for (int64_t a = 0; a < 3; ++a)
-        for (int64_t b = 0; b < S; ++b) sp[a][b] = Vec(0.f);
-      const float base = float(i - lo);
-      for (int64_t j = 0; j < wp; j += V) {  // pass B
+      const Vec viz(iz), vir(ir), vlr(lr), vk1(mx + lz), vu(uh), vu1(u1), tiny(1e-37f);
+      Vec en_h(0.f), js_d(0.f), js_h(0.f);
+      for (int64_t j = 0; j < wp; j += V) {
         const Vec p = Vec::loadu(e + j) * viz;
         const Vec pd = Vec::loadu(pv.data() + j) * vir;
         const Vec ph = at::vec::fmadd(vu1, p, vu * pd);
         const int64_t c = lo + j;
         (Vec::loadu(cu.data() + c) + p).store(cu.data() + c);
         (Vec::loadu(cd.data() + c) + pd).store(cd.data() + c);
-        (Vec::loadu(ch.data() + c) + ph).store(ch.data() + c);
         if (L.s1) at::vec::fmadd(p, vr1, Vec::loadu(c1.data() + c)).store(c1.data() + c);
-        rs_u = rs_u + p, rs_d = rs_d + pd, rs_h = rs_h + ph;
-        const Vec dist = Vec(base - float(j)) - lane;  // i - (lo + j + lane)
-        di_u = at::vec::fmadd(p, dist, di_u), di_d = at::vec::fmadd(pd, dist, di_d);
-        di_h = at::vec::fmadd(ph, dist, di_h);
         const Vec sj = j + V <= w ? Vec::loadu(s + j) : Vec::loadu(s + j, w - j);  // (no read past the row)
-        const Vec lnp = sj - vmx - vlz;  // ln p (finite in the padded lanes, where p = p_d = h = 0)
-        const Vec lnd = Vec::loadu(lp.data() + j) - vlog(Vec::loadu(zn.data() + j)) - vlr;
+        const Vec lnp = sj - vk1;  // ln p (finite in the padded lanes, where p = p_d = h = 0)
+        const Vec lnd = Vec::loadu(lp.data() + j) - vlr;
         const Vec lnh = vlog(at::vec::maximum(ph, tiny));
-        en_d = at::vec::fmadd(pd, lnd, en_d), en_h = at::vec::fmadd(ph, lnh, en_h);
+        en_h = at::vec::fmadd(ph, lnh, en_h);
         js_d = at::vec::fmadd(p + pd, Vec(half_chi(static_cast<__m512>(lnd - lnp))), js_d);
         js_h = at::vec::fmadd(p + ph, Vec(half_chi(static_cast<__m512>(lnh - lnp))), js_h);
-        for (int64_t b = 0; b < S; ++b) {
-          const Vec t = Vec::loadu(spec.data() + b * NP + c);
-          sp[0][b] = at::vec::fmadd(p, t, sp[0][b]), sp[1][b] = at::vec::fmadd(pd, t, sp[1][b]);
-          sp[2][b] = at::vec::fmadd(ph, t, sp[2][b]);
-        }
       }
-      out(L.rowsum, 0)[i] = sum_of(rs_u), out(L.rowsum, 1)[i] = sum_of(rs_d), out(L.rowsum, 2)[i] = sum_of(rs_h);
-      out(L.distance, 0)[i] = sum_of(di_u), out(L.distance, 1)[i] = sum_of(di_d);
-      out(L.distance, 2)[i] = sum_of(di_h);
-      out(L.entropy, 0)[i] = lz - sx * iz;  // -sum p ln p = ln Z - sum p (s - max)
-      out(L.entropy, 1)[i] = -sum_of(en_d), out(L.entropy, 2)[i] = -sum_of(en_h);
+      const float rs_u = zs * iz, rs_d = r * ir;
+      const float di_u = _mm512_reduce_add_ps(A.de) * iz, di_d = _mm512_reduce_add_ps(A.dp) * ir;
+      out(L.rowsum, 0)[i] = rs_u, out(L.rowsum, 1)[i] = rs_d, out(L.rowsum, 2)[i] = u1 * rs_u + uh * rs_d;
+      out(L.distance, 0)[i] = di_u, out(L.distance, 1)[i] = di_d, out(L.distance, 2)[i] = u1 * di_u + uh * di_d;
+      out(L.entropy, 0)[i] = lz - sx * iz;                              // -sum p ln p = ln Z - sum p (s - max)
+      out(L.entropy, 1)[i] = lr - _mm512_reduce_add_ps(A.pl) * ir;      // -sum p_d ln p_d = ln r - sum P ln P / r
+      out(L.entropy, 2)[i] = -sum_of(en_h);
       L.js[(0 * L.H + h) * N + i] = sum_of(js_d), L.js[(1 * L.H + h) * N + i] = sum_of(js_h);
       if (L.s1) L.s1[h * N + i] = lnt;
-      for (int64_t a = 0; a < 3; ++a)
-        for (int64_t b = 0; b < S; ++b) L.special[((a * L.H + h) * N + i) * S + b] = sum_of(sp[a][b]);
+      for (int64_t b = 0; b < S; ++b) {
+        const float su = _mm512_reduce_add_ps(A.se[b]) * iz, sd = _mm512_reduce_add_ps(A.sp[b]) * ir;
+        float* sp = L.special + (h * N + i) * S + b;  // slot a at + a H N S
+        sp[0] = su, sp[L.H * N * S] = sd, sp[2 * L.H * N * S] = u1 * su + uh * sd;
+      }
     }
     if (L.v) {  // the block's attention output: (E v) / Z row by row, from the exponentials while in L2
       const int64_t ni = i1 - i0, Dv = L.Dv;
@@ -185,9 +272,9 @@ inline bool causal_head(const CausalLayer& L, int64_t h) {
       }
     }
   }
-  std::copy(cu.begin(), cu.begin() + N, out(L.cols, 0));
-  std::copy(cd.begin(), cd.begin() + N, out(L.cols, 1));
-  std::copy(ch.begin(), ch.begin() + N, out(L.cols, 2));
+  const float u1 = 1.f - uh;
+  float *ou = out(L.cols, 0), *od = out(L.cols, 1), *oh = out(L.cols, 2);
+  for (int64_t j = 0; j < N; ++j) ou[j] = cu[j], od[j] = cd[j], oh[j] = u1 * cu[j] + uh * cd[j];  // (Eq. 12)
   if (L.s1) std::copy(c1.begin(), c1.begin() + N, L.s1 + (L.H + h) * N);
   return true;
 }

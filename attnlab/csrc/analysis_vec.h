@@ -55,9 +55,8 @@ inline Vec log_poly(const Vec& f) {
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
-// ln x for x > 0, ~2 ulp: x = 2^e (1 + f) with 1 + f in [1/sqrt2, sqrt2), ln x = e ln 2 + ln(1 + f)
-// by Cephes' logf polynomial (log_tail). Several times faster than Sleef's 1-ulp version, which
-// dominated this kernel. x = 0 gives NaN (the callers' arguments are > 0).
+// ln(2^e (1 + f)) for 1 + f in [1/sqrt2, sqrt2), ~2 ulp: e ln 2 + ln(1 + f) by Cephes' logf polynomial,
+// for vlog_near (which hands it f itself near 1); fast_log below takes a table instead.
 inline __m512 log_tail(__m512 e, __m512 f) {
   const __m512 p = static_cast<__m512>(log_poly(Vec(f)));
   const __m512 z = _mm512_mul_ps(f, f);
@@ -66,10 +65,31 @@ inline __m512 log_tail(__m512 e, __m512 f) {
   y = _mm512_fnmadd_ps(z, _mm512_set1_ps(0.5f), y);
   return _mm512_add_ps(_mm512_add_ps(f, y), _mm512_mul_ps(e, _mm512_set1_ps(0.693359375f)));
 }
+// ln x for x > 0 by a table (glibc's logf scheme): x = 2^E m, m in [1, 2) (getexp / getmant), k = m's top
+// 4 mantissa bits (the permute index), c_k = 1 + (k + 1/2) / 16, r = m fl(1 / c_k) - 1 (one rounding:
+// |r| < 1/32 + 1e-7), ln x = E ln 2 + T_k + log1p(r) with T_k = -ln fl(1 / c_k) (so the rounding of 1 / c_k
+// cancels) and log1p(r) = r (1 - r/2 + r^2/3 - r^3/4 + r^4/5) (truncation < 2e-10). Absolute error about
+// 3e-9 plus the result's rounding; about half the operations of Cephes' polynomial (log_tail), which
+// stays for vlog_near. x = 0 gives -inf.
+alignas(64) constexpr float kLogInvC[16] = {
+    9.696969986e-01f, 9.142857194e-01f, 8.648648858e-01f, 8.205128312e-01f, 7.804877758e-01f, 7.441860437e-01f,
+    7.111111283e-01f, 6.808510423e-01f, 6.530612111e-01f, 6.274510026e-01f, 6.037735939e-01f, 5.818181634e-01f,
+    5.614035130e-01f, 5.423728824e-01f, 5.245901346e-01f, 5.079365373e-01f};
+alignas(64) constexpr float kLogT[16] = {
+    3.077162802e-02f, 8.961215615e-02f, 1.451819837e-01f, 1.978257298e-01f, 2.478362024e-01f, 2.954642177e-01f,
+    3.409265578e-01f, 3.844117224e-01f, 4.260844290e-01f, 4.660896957e-01f, 5.045560002e-01f, 5.415973067e-01f,
+    5.773153305e-01f, 6.118015647e-01f, 6.451380253e-01f, 6.773987412e-01f};
 inline __m512 fast_log(__m512 x) {
-  const __m512 e = _mm512_getexp_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.41421356f)));  // floor(log2(x sqrt2))
-  const __m512 f = _mm512_sub_ps(_mm512_scalef_ps(x, _mm512_sub_ps(_mm512_setzero_ps(), e)), _mm512_set1_ps(1.f));
-  return log_tail(e, f);
+  const __m512 E = _mm512_getexp_ps(x);
+  const __m512 m = _mm512_getmant_ps(x, _MM_MANT_NORM_1_2, _MM_MANT_SIGN_zero);
+  const __m512i k = _mm512_srli_epi32(_mm512_castps_si512(m), 19);  // (the permutes read its low 4 bits)
+  const __m512 r = _mm512_fmsub_ps(m, _mm512_permutexvar_ps(k, _mm512_load_ps(kLogInvC)), _mm512_set1_ps(1.f));
+  const __m512 r2 = _mm512_mul_ps(r, r);
+  const __m512 a = _mm512_fmadd_ps(r, _mm512_set1_ps(-0.5f), _mm512_set1_ps(1.f));
+  const __m512 b = _mm512_fmadd_ps(r, _mm512_set1_ps(-0.25f), _mm512_set1_ps(1.f / 3.f));
+  const __m512 q = _mm512_fmadd_ps(r2, _mm512_fmadd_ps(r2, _mm512_set1_ps(0.2f), b), a);
+  const __m512 y = _mm512_fmadd_ps(r, q, _mm512_permutexvar_ps(k, _mm512_load_ps(kLogT)));
+  return _mm512_fmadd_ps(E, _mm512_set1_ps(0.693359375f), _mm512_fmadd_ps(E, _mm512_set1_ps(-2.12194440e-4f), y));
 }
 // ln x, where `near` (then x = 1 + f_near in [1/sqrt2, sqrt2)) from f_near itself: no rounding of 1 + f
 inline Vec vlog_near(const Vec& x, const Vec& f_near, const Vec& near) {
@@ -155,29 +175,32 @@ inline Vec vrecip(const Vec& t) {
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
-// chi(t) / 2 / t^2 on 16 intervals of |t| in [0, 24), 1.5 wide, each a degree-7 polynomial in the
-// position u in [0, 1) within the interval (row n: the coefficients of u^n, interval by interval),
-// where chi(t) = t tanh(t / 2) - 2 ln cosh(t / 2) = (1 + d) ln(1 + d) + (1 - d) ln(1 - d), d = tanh(t / 2):
+// chi(t) / 2 / t^2 on 32 intervals of |t| in [0, 24), 0.75 wide, each a degree-5 polynomial in the
+// position u in [0, 1) within the interval (row n: the coefficients of u^n, interval by interval; the
+// permutes read a row as two registers of 16), where
+// chi(t) = t tanh(t / 2) - 2 ln cosh(t / 2) = (1 + d) ln(1 + d) + (1 - d) ln(1 - d), d = tanh(t / 2):
 // fitted by scripts/fit_js_table.py (Chebyshev interpolation in 40-digit arithmetic, then float32);
-// max relative error of chi 3.5e-7 over [0, 24), 1.4e-9 for the constant 2 ln 2 beyond.
-alignas(64) constexpr float kChiTable[8][16] = {
-    {1.250000000e-01f, 9.693138301e-02f, 5.580913275e-02f, 3.124237992e-02f, 1.877321489e-02f, 1.223908272e-02f, 8.542138152e-03f, 6.284176838e-03f, 4.812967498e-03f, 3.803167725e-03f, 3.080632305e-03f, 2.545990748e-03f, 2.139342250e-03f, 1.822872087e-03f, 1.571762259e-03f, 1.369179576e-03f},
-    {-4.710860253e-07f, -4.471610859e-02f, -3.322080523e-02f, -1.720618270e-02f, -8.769980632e-03f, -4.785138648e-03f, -2.826816402e-03f, -1.791545539e-03f, -1.202473883e-03f, -8.449960151e-04f, -6.160959019e-04f, -4.629011964e-04f, -3.565557708e-04f, -2.804415999e-04f, -2.245374199e-04f, -1.825572690e-04f},
-    {-3.514741361e-02f, -3.977493849e-03f, 9.581233375e-03f, 5.946332123e-03f, 2.828570083e-03f, 1.352761989e-03f, 6.912849494e-04f, 3.809523769e-04f, 2.248877427e-04f, 1.407183881e-04f, 9.239142673e-05f, 6.311823381e-05f, 4.456851821e-05f, 3.235844997e-05f, 2.405753912e-05f, 1.825571781e-05f},
-    {-5.901800250e-05f, 1.121053286e-02f, -2.125064639e-04f, -1.373928273e-03f, -7.151309401e-04f, -3.194371238e-04f, -1.459093182e-04f, -7.108568389e-05f, -3.719258530e-05f, -2.078977377e-05f, -1.230727776e-05f, -7.648322935e-06f, -4.951561550e-06f, -3.318707968e-06f, -2.291169267e-06f, -1.622723971e-06f},
-    {8.954201825e-03f, -3.575792070e-03f, -1.186220557e-03f, 1.424871734e-04f, 1.400962210e-04f, 6.443751772e-05f, 2.749539999e-05f, 1.213376527e-05f, 5.700564543e-06f, 2.864977205e-06f, 1.533682166e-06f, 8.680769952e-07f, 5.155305871e-07f, 3.190331483e-07f, 2.045431273e-07f, 1.352161974e-07f},
-    {-1.315240661e-04f, -6.836670800e-04f, 6.149308174e-04f, 4.156465366e-05f, -1.867675564e-05f, -1.087794408e-05f, -4.602306035e-06f, -1.899148856e-06f, -8.167770034e-07f, -3.732900211e-07f, -1.818427506e-07f, -9.405739121e-08f, -5.133161451e-08f, -2.935994914e-08f, -1.749164724e-08f, -1.079715783e-08f},
-    {-2.388326917e-03f, 8.019696688e-04f, -1.636258821e-04f, -2.362364830e-05f, 8.329717502e-07f, 1.419588102e-06f, 6.434034390e-07f, 2.576398970e-07f, 1.040994064e-07f, 4.409938725e-08f, 1.982014908e-08f, 9.461073702e-09f, 4.778614393e-09f, 2.539551014e-09f, 1.411708528e-09f, 8.163966170e-10f},
-    {7.039380725e-04f, -1.816912263e-04f, 2.023811430e-05f, 4.185162197e-06f, 1.566197909e-07f, -1.097607907e-07f, -5.739215325e-08f, -2.301960400e-08f, -8.988296329e-09f, -3.624544220e-09f, -1.539846806e-09f, -6.930369056e-10f, -3.300790752e-10f, -1.656799975e-10f, -8.718496758e-11f, -4.784759394e-11f},
+// max relative error of chi 2.9e-7 over [0, 24), 1.4e-9 for the constant 2 ln 2 beyond. (16 intervals of
+// degree 7, 3.5e-7, took two more lookups and two more products a term.)
+alignas(64) constexpr float kChiTable[6][32] = {
+    {1.250000149e-01f, 1.167292371e-01f, 9.693138301e-02f, 7.474653423e-02f, 5.580913648e-02f, 4.151015729e-02f, 3.124237992e-02f, 2.396399900e-02f, 1.877321489e-02f, 1.501416322e-02f, 1.223908272e-02f, 1.014848333e-02f, 8.542138152e-03f, 7.284897380e-03f, 6.284176838e-03f, 5.475459620e-03f, 4.812967498e-03f, 4.263635725e-03f, 3.803167725e-03f, 3.413418541e-03f, 3.080632305e-03f, 2.794234315e-03f, 2.545990748e-03f, 2.329415176e-03f, 2.139342250e-03f, 1.971618272e-03f, 1.822872087e-03f, 1.690345118e-03f, 1.571762259e-03f, 1.465233858e-03f, 1.369179576e-03f, 1.282270183e-03f},
+    {-7.817130836e-07f, -1.556295529e-02f, -2.235782705e-02f, -2.107840776e-02f, -1.661047339e-02f, -1.211421471e-02f, -8.603098802e-03f, -6.105019245e-03f, -4.384989850e-03f, -3.206686117e-03f, -2.392568626e-03f, -1.821439946e-03f, -1.413407852e-03f, -1.116269501e-03f, -8.957726532e-04f, -7.291940856e-04f, -6.012368831e-04f, -5.014334456e-04f, -4.224980075e-04f, -3.592731082e-04f, -3.080479219e-04f, -2.661106701e-04f, -2.314505982e-04f, -2.025564318e-04f, -1.782778854e-04f, -1.577291696e-04f, -1.402207999e-04f, -1.252106886e-04f, -1.122687027e-04f, -1.010505948e-04f, -9.127863450e-05f, -8.272710693e-05f},
+    {-8.779671043e-03f, -5.942482501e-03f, -9.972817497e-04f, 1.813462586e-03f, 2.396157477e-03f, 2.028326737e-03f, 1.486683381e-03f, 1.032956410e-03f, 7.071346627e-04f, 4.858793691e-04f, 3.381824936e-04f, 2.394753974e-04f, 1.728177303e-04f, 1.271168585e-04f, 9.523668996e-05f, 7.259332051e-05f, 5.622136450e-05f, 4.417972377e-05f, 3.517935329e-05f, 2.835071791e-05f, 2.309774572e-05f, 1.900524694e-05f, 1.577950388e-05f, 1.320963838e-05f, 1.114210227e-05f, 9.463622519e-06f, 8.089597941e-06f, 6.956116067e-06f, 6.014376595e-06f, 5.226744179e-06f, 4.563924904e-06f, 4.002919923e-06f},
+    {-4.171516412e-05f, 1.661470393e-03f, 1.414855826e-03f, 4.933820455e-04f, -3.024346734e-05f, -1.783207699e-04f, -1.721946173e-04f, -1.294767717e-04f, -8.935958613e-05f, -5.985925964e-05f, -3.989516699e-05f, -2.678188139e-05f, -1.822345257e-05f, -1.260766203e-05f, -8.879625966e-06f, -6.367529295e-06f, -4.646601610e-06f, -3.447442168e-06f, -2.597666480e-06f, -1.985613835e-06f, -1.537931439e-06f, -1.205704052e-06f, -9.558101510e-07f, -7.654800811e-07f, -6.188280963e-07f, -5.046137517e-07f, -4.147758261e-07f, -3.434594475e-07f, -2.863611144e-07f, -2.402821906e-07f, -2.028201180e-07f, -1.721525535e-07f},
+    {6.346264272e-04f, 1.257786935e-04f, -2.521589922e-04f, -1.901604701e-04f, -6.686616689e-05f, -7.306507086e-06f, 9.838335245e-06f, 1.123273705e-05f, 8.698310012e-06f, 5.995490028e-06f, 3.959884452e-06f, 2.582982006e-06f, 1.688527163e-06f, 1.114785050e-06f, 7.463831366e-07f, 5.078343861e-07f, 3.514236084e-07f, 2.473458096e-07f, 1.769881806e-07f, 1.286538520e-07f, 9.491696318e-08f, 7.100400268e-08f, 5.380391954e-08f, 4.125972808e-08f, 3.199147613e-08f, 2.505998786e-08f, 1.981707243e-08f, 1.580932540e-08f, 1.271549710e-08f, 1.030518604e-08f, 8.411245034e-09f, 6.911093919e-09f},
+    {-8.321730274e-05f, -7.966830890e-05f, 7.560936865e-06f, 2.432469410e-05f, 1.244837313e-05f, 3.738432497e-06f, 3.909137547e-07f, -4.765473420e-07f, -5.363223181e-07f, -4.093629116e-07f, -2.783026218e-07f, -1.811580717e-07f, -1.162792955e-07f, -7.466017138e-08f, -4.832395106e-08f, -3.166528018e-08f, -2.105539565e-08f, -1.422294549e-08f, -9.763572173e-09f, -6.809963260e-09f, -4.823672572e-09f, -3.467377274e-09f, -2.527325682e-09f, -1.866321542e-09f, -1.395102811e-09f, -1.054781817e-09f, -8.059682921e-10f, -6.219535997e-10f, -4.843874746e-10f, -3.805022408e-10f, -3.013063687e-10f, -2.403945931e-10f},
 };
-// chi(t) / 2 from the table: |t| -> interval (permutes of the coefficient rows) and position, Horner;
-// 2 ln 2 / 2 where |t| >= 24
+// chi(t) / 2 from the table: |t| -> interval (two-register permutes of the coefficient rows) and
+// position, Horner; 2 ln 2 / 2 where |t| >= 24
 inline __m512 half_chi(__m512 t) {
-  const __m512 a = _mm512_abs_ps(t), y = _mm512_mul_ps(a, _mm512_set1_ps(1.f / 1.5f));
-  const __m512i i = _mm512_min_epi32(_mm512_cvttps_epi32(y), _mm512_set1_epi32(15));
+  const __m512 a = _mm512_abs_ps(t), y = _mm512_mul_ps(a, _mm512_set1_ps(1.f / 0.75f));
+  const __m512i i = _mm512_min_epi32(_mm512_cvttps_epi32(y), _mm512_set1_epi32(31));
   const __m512 u = _mm512_sub_ps(y, _mm512_cvtepi32_ps(i));
-  __m512 g = _mm512_permutexvar_ps(i, _mm512_load_ps(kChiTable[7]));
-  for (int n = 6; n >= 0; --n) g = _mm512_fmadd_ps(g, u, _mm512_permutexvar_ps(i, _mm512_load_ps(kChiTable[n])));
+  auto row = [&](int n) {
+    return _mm512_permutex2var_ps(_mm512_load_ps(kChiTable[n]), i, _mm512_load_ps(kChiTable[n] + 16));
+  };
+  __m512 g = row(5);
+  for (int n = 4; n >= 0; --n) g = _mm512_fmadd_ps(g, u, row(n));
   const __m512 c = _mm512_mul_ps(_mm512_mul_ps(a, a), g);
   return _mm512_mask_mov_ps(c, _mm512_cmp_ps_mask(a, _mm512_set1_ps(24.f), _CMP_GE_OQ), _mm512_set1_ps(0.69314718f));
 }
