@@ -13,7 +13,7 @@
 // window); softcap > 0 caps the scores: s <- softcap tanh(s / softcap). redo marks heads the caller
 // recomputes on its exact path: a non-finite score, or a row whose causal DNAS mass underflowed. With v
 // (H_kv, N, Dv) and out (N, H, Dv), also unas' attention output softmax(s) v, for the capture forward
-// (attnlab/hf/compute/causal_forward.py), from the exponentials while a block of rows is in L2. With
+// (attnlab/hf/compute/causal_forward.py), from the weights of a block of rows while in cache. With
 // softmax1 (2, H, N): [0] ln t_i, t_i = 1 / sum_j exp(s_ij) over the visible keys, [1] the column masses
 // of softmax1 = p / (1 + t_i) (its other sums follow from unas', attnlab/hf/compute/softmax1_sums.py).
 //
@@ -165,9 +165,9 @@ inline bool causal_head(const CausalLayer& L, int64_t h) {
   const float* q = L.q + h * N * D;
   const float* k = L.k + (h / L.R) * N * D;
   const float uh = L.u[h];
-  const int64_t ldE = NP;  // a row of the block's exponentials: keys lo0 .. i1 - 1, then V spare lanes
-  std::vector<float> block(kCausalRows * N), eblk(kCausalRows * ldE), pv(NP), lp(NP), m(N, -1e30f),
-      z(N, 0.f), zrow(kCausalRows), ob(L.v ? kCausalRows * L.Dv : 0);
+  // block: a block's scores, row r at r * ldb (keys lo0 .. i1 - 1, then V spare lanes), each row
+  // overwritten by its unas weights in pass B for the output's product P v
+  std::vector<float> block(kCausalRows * NP), er(NP), pv(NP), lp(NP), m(N, -1e30f), z(N, 0.f);
   std::vector<float> cu(NP, 0.f), cd(NP, 0.f), spec(S * NP, 0.f), c1(L.s1 ? NP : 0, 0.f);
   for (int64_t s = 0; s < S; ++s) std::copy(L.spec + s * N, L.spec + (s + 1) * N, spec.data() + s * NP);
   float lanes[64];
@@ -179,26 +179,27 @@ inline bool causal_head(const CausalLayer& L, int64_t h) {
   SerialBlas serial;
   for (int64_t i0 = 0; i0 < N; i0 += kCausalRows) {
     const int64_t i1 = std::min(N, i0 + kCausalRows);
-    const int64_t lo0 = L.window > 0 ? std::max<int64_t>(0, i0 - L.window + 1) : 0, w0 = i1 - lo0;
-    gemm_abt(i1 - i0, w0, D, L.scale, q + i0 * D, D, k + lo0 * D, D, 0.f, block.data(), w0);
+    const int64_t lo0 = L.window > 0 ? std::max<int64_t>(0, i0 - L.window + 1) : 0, w0 = i1 - lo0, ldb = w0 + V;
+    gemm_abt(i1 - i0, w0, D, L.scale, q + i0 * D, D, k + lo0 * D, D, 0.f, block.data(), ldb);
     if (L.softcap > 0.f) {
       const float c = L.softcap, ic = 1.f / c;
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t lo = L.window > 0 ? std::max<int64_t>(0, i - L.window + 1) : 0;
-        float* s = block.data() + (i - i0) * w0 + (lo - lo0);
+        float* s = block.data() + (i - i0) * ldb + (lo - lo0);
         for (int64_t j = 0; j < i - lo + 1; ++j) s[j] = c * std::tanh(s[j] * ic);
       }
     }
     if (i0 == 0)  // rows 0 .. i1 - 1 see keys 0 .. i1 - 1 at most: the block's largest visible score
       for (int64_t i = 0; i < i1; ++i) {
         const int64_t lo = L.window > 0 ? std::max<int64_t>(0, i - L.window + 1) : 0;
-        M = std::max(M, row_max(block.data() + i * w0 + lo, i - lo + 1));
+        M = std::max(M, row_max(block.data() + i * ldb + lo, i - lo + 1));
       }
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t lo = L.window > 0 ? std::max<int64_t>(0, i - L.window + 1) : 0, w = i - lo + 1;
       const int64_t wp = (w + V - 1) / V * V;
-      const float* s = block.data() + (i - i0) * w0 + (lo - lo0);
-      float* e = eblk.data() + (i - i0) * ldE + (lo - lo0);  // (wp <= w + V - 1 floats: inside the row)
+      float* row = block.data() + (i - i0) * ldb;
+      float* s = row + (lo - lo0);  // (s + wp <= row + w0 + V - 1: inside the row)
+      float* e = er.data();
       float mx, mn;
       row_range(s, w, mx, mn);
       if (!std::isfinite(mx)) return false;
@@ -210,10 +211,9 @@ inline bool causal_head(const CausalLayer& L, int64_t h) {
       A.zs = A.sx = A.r = A.pl = A.de = A.dp = _mm512_setzero_ps();
       for (int64_t b = 0; b < S; ++b) A.se[b] = A.sp[b] = _mm512_setzero_ps();
       const float base = float(i - lo);
-      if (L.v) {  // the block's exponentials outside this row's keys are 0 for the output's product
-        float* row = eblk.data() + (i - i0) * ldE;
-        std::fill(row, e, 0.f);
-        if (e + wp < row + w0) std::fill(e + wp, row + w0, 0.f);
+      if (L.v) {  // the row's weights outside its keys are 0 for the output's product (pass B writes the rest)
+        std::fill(row, s, 0.f);
+        if (s + wp < row + w0) std::fill(s + wp, row + w0, 0.f);
       }
       if (ref)
         pass_a<true>(s, w, mx, M, nullptr, z.data() + lo, spec.data() + lo, NP, S, base, lane, e, pv.data(),
@@ -223,7 +223,6 @@ inline bool causal_head(const CausalLayer& L, int64_t h) {
                       pv.data(), lp.data(), A);
       const float zs = _mm512_reduce_add_ps(A.zs), sx = _mm512_reduce_add_ps(A.sx), r = _mm512_reduce_add_ps(A.r);
       if (!(r > 1e-30f) || !std::isfinite(sx)) return false;
-      zrow[i - i0] = zs;
       const float lz = std::log(zs), lr = std::log(r), iz = 1.f / zs, ir = 1.f / r, u1 = 1.f - uh;
       const float lnt = -mx - lz;  // softmax1: ln t_i; its weights p / (1 + t_i)
       // pass B: p = e / sum e, p_d = P / sum P, h = (1 - u) p + u p_d: column sums, the hnas entropy and
@@ -240,6 +239,7 @@ inline bool causal_head(const CausalLayer& L, int64_t h) {
         (Vec::loadu(cd.data() + c) + pd).store(cd.data() + c);
         if (L.s1) at::vec::fmadd(p, vr1, Vec::loadu(c1.data() + c)).store(c1.data() + c);
         const Vec sj = j + V <= w ? Vec::loadu(s + j) : Vec::loadu(s + j, w - j);  // (no read past the row)
+        if (L.v) p.store(s + j);  // (0 past the row)
         const Vec lnp = sj - vk1;  // ln p (finite in the padded lanes, where p = p_d = h = 0)
         const Vec lnd = Vec::loadu(lp.data() + j) - vlr;
         const Vec lnh = vlog(at::vec::maximum(ph, tiny));
@@ -262,15 +262,9 @@ inline bool causal_head(const CausalLayer& L, int64_t h) {
         sp[0] = su, sp[L.H * N * S] = sd, sp[2 * L.H * N * S] = u1 * su + uh * sd;
       }
     }
-    if (L.v) {  // the block's attention output: (E v) / Z row by row, from the exponentials while in L2
-      const int64_t ni = i1 - i0, Dv = L.Dv;
-      gemm_ab(ni, Dv, w0, eblk.data(), ldE, L.v + ((h / L.R) * N + lo0) * Dv, Dv, ob.data(), Dv);
-      for (int64_t r = 0; r < ni; ++r) {
-        const float iz = 1.f / zrow[r];
-        float* o = L.out + (i0 + r) * L.ldo + h * Dv;
-        for (int64_t d = 0; d < Dv; ++d) o[d] = ob[r * Dv + d] * iz;
-      }
-    }
+    if (L.v)  // the block's attention output P v (Eq. 1), from its weights while they are in cache
+      gemm_ab(i1 - i0, L.Dv, w0, block.data(), ldb, L.v + ((h / L.R) * N + lo0) * L.Dv, L.Dv,
+              L.out + i0 * L.ldo + h * L.Dv, L.ldo);
   }
   const float u1 = 1.f - uh;
   float *ou = out(L.cols, 0), *od = out(L.cols, 1), *oh = out(L.cols, 2);
