@@ -230,6 +230,7 @@ inline bool causal_head(const CausalLayer& L, int64_t h) {
       const Vec vr1(L.s1 ? 1.f / (1.f + std::exp(lnt)) : 0.f);
       const Vec viz(iz), vir(ir), vlr(lr), vk1(mx + lz), vu(uh), vu1(u1), tiny(1e-37f);
       Vec en_h(0.f), js_d(0.f), js_h(0.f);
+#pragma GCC unroll 2
       for (int64_t j = 0; j < wp; j += V) {
         const Vec p = Vec::loadu(e + j) * viz;
         const Vec pd = Vec::loadu(pv.data() + j) * vir;
