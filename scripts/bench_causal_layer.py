@@ -19,23 +19,35 @@ from attnlab.hf.compute.causal_kernel import causal_kernel
 H, D, S = 12, 64, 2  # query heads, head dim, key masks
 
 
+def layer_inputs(n: int, heads: int = H, kv_heads: int = 4) -> tuple:
+    """Seeded q (heads, n, D), k and v (kv_heads, n, D), and S key masks (the first and the last key)."""
+    torch.manual_seed(0)
+    q = torch.randn(heads, n, D)
+    k, v = torch.randn(kv_heads, n, D), torch.randn(kv_heads, n, D)
+    spec = torch.zeros(S, n)
+    spec[0, 0] = spec[1, -1] = 1.0
+    return q, k, v, spec
+
+
+def analyse(kernel, q, keys, values, spec) -> None:
+    """One call of the kernel as the capture forward makes it: every sum, the output, softmax1's."""
+    heads, n = q.shape[:2]
+    sums = [torch.zeros(3, heads, n) for _ in range(4)]  # cols, rowsum, entropy, distance
+    special, js, s1 = torch.zeros(3, heads, n, S), torch.zeros(2, heads, n), torch.zeros(2, heads, n)
+    kernel(q, keys, D**-0.5, 0.0, 0, torch.full((heads,), 0.5), spec, *sums, special, js, values,
+           torch.empty(n, heads, D), s1)
+
+
 def main(n: int, kv_heads: int = 4, rounds: int = 3) -> dict:
     kernel = causal_kernel()
     if kernel is None:
         raise SystemExit("attnlab's causal analysis kernel is not built here (needs AVX-512)")
-    torch.manual_seed(0)
-    q = torch.randn(H, n, D)
-    k, v = torch.randn(kv_heads, n, D), torch.randn(kv_heads, n, D)
+    q, k, v, spec = layer_inputs(n, H, kv_heads)
     rep = H // kv_heads
     k_rep, v_rep = k.repeat_interleave(rep, 0).contiguous(), v.repeat_interleave(rep, 0).contiguous()
-    spec = torch.zeros(S, n)
-    spec[0, 0] = spec[1, -1] = 1.0
 
     def analysis(keys, values):
-        sums = [torch.zeros(3, H, n) for _ in range(4)]  # cols, rowsum, entropy, distance
-        special, js, s1 = torch.zeros(3, H, n, S), torch.zeros(2, H, n), torch.zeros(2, H, n)
-        kernel(q, keys, D**-0.5, 0.0, 0, torch.full((H,), 0.5), spec, *sums, special, js, values,
-               torch.empty(n, H, D), s1)
+        analyse(kernel, q, keys, values, spec)
 
     def sdpa():
         F.scaled_dot_product_attention(q[None], k_rep[None], v_rep[None], is_causal=True)

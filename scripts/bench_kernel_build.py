@@ -15,6 +15,7 @@ import sys
 import time
 
 import torch
+from bench_causal_layer import analyse, layer_inputs  # (this folder is on sys.path when run)
 
 
 def main(build: str, n: int = 4096, repeats: int = 5, sdpa_repeats: int = 3) -> None:
@@ -23,17 +24,11 @@ def main(build: str, n: int = 4096, repeats: int = 5, sdpa_repeats: int = 3) -> 
         torch.ops.load_library(lib)
     kernel = torch.ops.attnlab_hf.causal_heads
     H = int(os.environ.get("H", "4"))
-    Hkv, D, S = (H // 3 if "H" in os.environ else 2), 64, 2
-    torch.manual_seed(0)
-    q, k, v = torch.randn(H, n, D), torch.randn(Hkv, n, D), torch.randn(Hkv, n, D)
-    spec = torch.zeros(S, n)
-    spec[0, 0] = spec[1, -1] = 1.0
+    Hkv = H // 3 if "H" in os.environ else 2
+    q, k, v, spec = layer_inputs(n, H, Hkv)
 
     def run():
-        sums = [torch.zeros(3, H, n) for _ in range(4)]  # cols, rowsum, entropy, distance
-        special, js, s1 = torch.zeros(3, H, n, S), torch.zeros(2, H, n), torch.zeros(2, H, n)
-        kernel(q, k, D**-0.5, 0.0, 0, torch.full((H,), 0.5), spec, *sums, special, js, v,
-               torch.empty(n, H, D), s1)
+        analyse(kernel, q, k, v, spec)
 
     def timed(fn, count):
         best = float("inf")

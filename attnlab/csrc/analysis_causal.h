@@ -80,12 +80,6 @@ struct CausalLayer {
 // form (see pass A): exp(s - M) stays a normal float and the column sums far from overflow.
 constexpr float kBelowM = 80.f, kAboveM = 30.f;
 
-// 1 / x for x > 0: the 14-bit estimate and one Newton step (~1 ulp; a division costs more here)
-inline __m512 vrecip16(__m512 x) {
-  const __m512 r = _mm512_rcp14_ps(x);
-  return _mm512_mul_ps(r, _mm512_fnmadd_ps(x, r, _mm512_set1_ps(2.f)));
-}
-
 // The largest and the smallest of x[0..n), n >= 1; mx is NaN when some x is
 inline void row_range(const float* x, int64_t n, float& mx, float& mn) {
   __m512 hi = _mm512_set1_ps(-INFINITY), lo = _mm512_set1_ps(INFINITY);
@@ -130,7 +124,7 @@ inline void pass_a(const float* s, int64_t w, float mx, float M, float* mj, floa
       const __m512 zn = _mm512_add_ps(_mm512_maskz_loadu_ps(in, zj + j), ea);
       _mm512_mask_storeu_ps(zj + j, in, zn);
       const __m512 zsafe = _mm512_mask_blend_ps(in, one, zn);  // > 0: zn >= exp(s - M) >= exp(-kBelowM)
-      pj = _mm512_mul_ps(ea, vrecip16(zsafe));
+      pj = _mm512_mul_ps(ea, static_cast<__m512>(vrecip(Vec(zsafe))));  // (a division costs more)
       lnp = _mm512_maskz_sub_ps(in, xm, fast_log(zsafe));  // ln P = (s - M) - ln Z
     } else {
       ev = _mm512_maskz_mov_ps(in, vexp_nonpos(x));
@@ -142,7 +136,7 @@ inline void pass_a(const float* s, int64_t w, float mx, float M, float* mj, floa
       _mm512_mask_storeu_ps(zj + j, in, zn);
       _mm512_mask_storeu_ps(mj + j, up, sv);
       const __m512 zsafe = _mm512_mask_blend_ps(in, one, zn);
-      pj = _mm512_maskz_mul_ps(in, _mm512_mask_blend_ps(up, ed, one), vrecip16(zsafe));
+      pj = _mm512_maskz_mul_ps(in, _mm512_mask_blend_ps(up, ed, one), static_cast<__m512>(vrecip(Vec(zsafe))));
       lnp = _mm512_maskz_sub_ps(in, _mm512_maskz_mov_ps(~up, d), fast_log(zsafe));  // ln P = s - m - ln z
     }
     _mm512_storeu_ps(e + j, ev);
