@@ -121,3 +121,98 @@ def test_a_spill_folder_without_room_is_a_worded_error_before_writing(tiny_model
     assert list(tmp_path.iterdir()) == []
     monkeypatch.setattr(shutil, "disk_usage", lambda folder: usage(10**12, 0, 10**12))
     assert isinstance(_analyse(loaded, english_text[:400], 0, monkeypatch).weights["unas"], HeadMaps)
+
+
+def _spill_of(*tensors):
+    """A spill holding ``tensors`` -> (spill, where each lies)."""
+    spill = Spill(0, 1)
+    return spill, [spill.put(t) for t in tensors]
+
+
+def test_a_finished_file_is_written_over_by_the_next_spill():
+    """Once a spill and every mapping of its file are gone, the next spill takes that file (its pages
+    are reused, docs/BENCHMARKS.md "Twenty-first session"), keeps its length, and reads its own bytes."""
+    spill_mod.clear_pool()
+    g = torch.Generator().manual_seed(1)
+    big, small = torch.randn(3, 70_000, generator=g), torch.randn(5, 7, generator=g)
+    first, _ = _spill_of(big)
+    handle, size = first._file.handle, first._file.size
+    assert size >= big.numel() * 4
+    del first
+    second, where = _spill_of(small)
+    assert second._file.handle is handle and second._file.size == size  # the same file, not truncated
+    assert torch.equal(second.get(where[0]), small)
+    third, _ = _spill_of(small)  # the file is taken: another spill meanwhile gets a new one
+    assert third._file.handle is not handle
+    del second, third
+    assert spill_mod.clear_pool() == spill_mod.POOL_FILES  # one kept, the other closed
+    assert handle.closed
+
+
+def test_a_file_that_is_still_mapped_is_never_written_over():
+    """A tensor that maps a finished spill's file keeps its values: the file is not reused until the
+    last such tensor is gone."""
+    spill_mod.clear_pool()
+    original = torch.arange(20_000, dtype=torch.float32)
+    first, where = _spill_of(original)
+    held = first.get(where[0])[5:9]  # a view keeps the mapping
+    handle = first._file.handle
+    del first
+    second, _ = _spill_of(torch.full((20_000,), -1.0))
+    assert second._file.handle is not handle
+    del second
+    third, _ = _spill_of(torch.full((20_000,), -2.0))  # takes the second's file, not the held one
+    assert third._file.handle is not handle
+    assert torch.equal(held, original[5:9])
+    del held, third
+    fourth, where = _spill_of(torch.full((10,), 3.0))
+    assert fourth._file.handle is not None and torch.equal(fourth.get(where[0]), torch.full((10,), 3.0))
+    del fourth
+    spill_mod.clear_pool()
+
+
+def test_a_kept_file_of_another_folder_is_not_used(monkeypatch, tmp_path):
+    spill_mod.clear_pool()
+    first, _ = _spill_of(torch.ones(4))
+    handle = first._file.handle
+    del first
+    monkeypatch.setenv("ATTNLAB_SPILL_DIR", str(tmp_path))
+    second, where = _spill_of(torch.zeros(4))
+    assert second._file.handle is not handle and second._file.folder == str(tmp_path)
+    assert torch.equal(second.get(where[0]), torch.zeros(4))
+    del second
+    assert spill_mod.clear_pool() == 1 and handle.closed  # the pool keeps one file: the first was closed
+
+
+def test_analyses_that_reuse_the_spill_file_agree_bit_for_bit(tiny_model_dir, english_text, monkeypatch):
+    """Spilled analyses of two one-window texts one after the other, each result dropped before the
+    next: after the first two, no new file is made, and each equals its text's first analysis (table
+    and weights) over the file written over."""
+    import tempfile
+
+    from attnlab import hf
+
+    spill_mod.clear_pool()
+    made, temporary_file = [], tempfile.TemporaryFile
+    monkeypatch.setattr(tempfile, "TemporaryFile", lambda **kw: made.append(1) or temporary_file(**kw))
+    monkeypatch.setenv("ATTNLAB_SPILL_BYTES", "0")
+    loaded = hf.load_model(tiny_model_dir("llama"))
+    texts = [english_text[:150], english_text[-200:]]
+
+    def analyse(text):
+        result = hf.analyze(text, loaded, variants=("unas", "dnas", "hnas", "sinkhorn", "softmax1"), u=0.3)
+        assert result.n_windows == 1
+        return result
+
+    first = [analyse(t) for t in texts]  # both alive: two files
+    tables = [r.table() for r in first]
+    maps = [r.weights["hnas"][1, 0].clone() for r in first]
+    assert len(made) == 2
+    del first
+    for i in (1, 0, 1):
+        again = analyse(texts[i])
+        assert again.table().equals(tables[i])
+        assert torch.equal(again.weights["hnas"][1, 0], maps[i])
+        del again
+    assert len(made) == 2  # every later analysis wrote over the kept file
+    spill_mod.clear_pool()

@@ -10,11 +10,16 @@ attention), and every later reader maps them back from the file afresh:
 - a mapping costs no memory until its pages are read, and its pages leave the process when the tensor
   that maps them is freed: a pass over the layers holds one layer's q and k at a time;
 - the values are the very bytes that were captured (no rounding: the same results as in memory);
-- the file lives in the page cache as long as the window's results do, and is deleted with them (the
-  operating system writes it out under memory pressure instead of the process being killed);
+- the file lives in the page cache as long as the window's results do (the operating system writes it
+  out under memory pressure instead of the process being killed), then in the pool below or closed;
 - after each spilled layer the heap's free pages go back to the system (glibc's ``malloc_trim``):
   otherwise each layer's freed 25 MB buffers stay in the process, fragmented, ~50 MB more RSS a layer
-  at 8,192 tokens (docs/BENCHMARKS.md, "Causal models at long context").
+  at 8,192 tokens (docs/BENCHMARKS.md, "Causal models at long context");
+- one finished spill file is kept (:data:`POOL_FILES`) and written over by the next spill, once the
+  window's results and every tensor that maps the file are gone: writing a fresh file makes the system
+  find and clear new pages, 0.3-1 s at 8,192 tokens on this project's machine against 0.06-0.09 s for
+  the same bytes over a kept file's pages (docs/BENCHMARKS.md, "Twenty-first session");
+  :func:`clear_pool` closes it (its pages are page cache, which the system may reclaim at any time).
 
 Windows whose q and k together are at most :data:`SPILL_BYTES` (``ATTNLAB_SPILL_BYTES``; 256 MiB,
 e.g. 12 layers x 16 heads x 64 dims below ~5,400 tokens) stay in memory, as they always did.
@@ -30,15 +35,17 @@ import os
 import shutil
 import tempfile
 import threading
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
 
-__all__ = ["SPILL_BYTES", "Spill", "Stored", "spill_bytes", "spill_for"]
+__all__ = ["POOL_FILES", "SPILL_BYTES", "Spill", "Stored", "clear_pool", "spill_bytes", "spill_for"]
 
 SPILL_BYTES = 256 << 20  # q and k of one window above this go to a file (ATTNLAB_SPILL_BYTES)
 
 _ALIGN = mmap.ALLOCATIONGRANULARITY  # a mapping's offset must be a multiple of it
+POOL_FILES = 1  # finished spill files kept for the next spills to write over (module docstring)
 
 
 def spill_bytes() -> int:
@@ -82,6 +89,65 @@ def check_room(need: int, n_tokens: int) -> None:
             "or pass a smaller window")
 
 
+class _File:
+    """One open spill file and who still uses it: its :class:`Spill` (``spilling``) and the tensors that
+    map it (``mappings``). It goes back to the pool when neither is left."""
+
+    def __init__(self, handle, folder: str):
+        self.handle, self.folder = handle, folder
+        self.size = os.fstat(handle.fileno()).st_size  # bytes the file already has (pages to reuse)
+        self.spilling, self.mappings = True, 0
+
+    def spill_done(self) -> None:
+        with _POOL_LOCK:
+            self.spilling = False
+            self._maybe_free()
+
+    def mapped(self, mapping) -> None:
+        with _POOL_LOCK:
+            self.mappings += 1
+        weakref.finalize(mapping, self.unmapped)
+
+    def unmapped(self) -> None:
+        with _POOL_LOCK:
+            self.mappings -= 1
+            self._maybe_free()
+
+    def _maybe_free(self) -> None:  # (under _POOL_LOCK)
+        if self.spilling or self.mappings or self.handle.closed:
+            return
+        if len(_POOL) < POOL_FILES:
+            _POOL.append(self)
+        else:
+            self.handle.close()
+
+
+_POOL: list[_File] = []  # finished files, none of them mapped: written over by the next spills
+_POOL_LOCK = threading.RLock()  # (re-entrant: a finalizer may run inside a locked block)
+
+
+def _take_file(folder: str) -> _File:
+    """A kept file of ``folder`` when the pool has one (its pages are written over), else a new
+    unlinked temporary file there."""
+    with _POOL_LOCK:
+        for i, kept in enumerate(_POOL):
+            if kept.folder == folder:
+                kept = _POOL.pop(i)
+                kept.spilling = True
+                return kept
+    return _File(tempfile.TemporaryFile(dir=folder), folder)
+
+
+def clear_pool() -> int:
+    """Close the spill files kept for reuse (their pages and disk space go back to the system) -> how
+    many were closed."""
+    with _POOL_LOCK:
+        files, _POOL[:] = list(_POOL), []
+    for kept in files:
+        kept.handle.close()
+    return len(files)
+
+
 @dataclass(frozen=True)
 class Stored:
     """Where one tensor lies in the spill file."""
@@ -107,9 +173,15 @@ class Spill:
     def __init__(self, budget: int, n_layers: int):
         self.budget, self.n_layers = int(budget), int(n_layers)
         self.active: bool | None = None  # decided at the first layer
-        self._file = None
+        self._file: _File | None = None  # taken at the first put (a kept one when the pool has one)
         self._end = 0
         self._lock = threading.Lock()
+
+    def _open(self) -> None:
+        with self._lock:
+            if self._file is None:
+                self._file = _take_file(spill_dir())
+                weakref.finalize(self, self._file.spill_done)  # (a bound method of the file, not of self)
 
     def layer(self, captured):
         """The :class:`~attnlab.hf.capture.run_state.CapturedLayer` to keep for ``captured``: itself,
@@ -120,7 +192,8 @@ class Spill:
             per_layer = q.numel() * q.element_size() + k.numel() * k.element_size()
             self.active = q.device.type == "cpu" and per_layer * self.n_layers > self.budget
             if self.active:
-                check_room(per_layer * self.n_layers, q.shape[-2])
+                self._open()
+                check_room(per_layer * self.n_layers - self._file.size, q.shape[-2])
         if not self.active:
             return captured
         sq, sk = self.put(q), self.put(k)
@@ -131,15 +204,17 @@ class Spill:
     def put(self, tensor: torch.Tensor) -> Stored:
         """Append ``tensor``'s bytes (C order) to the file -> where they lie."""
         data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        self._open()
         with self._lock:
-            if self._file is None:
-                self._file = tempfile.TemporaryFile(dir=spill_dir())
+            handle = self._file.handle
             stored = Stored(self._end, tuple(tensor.shape), tensor.dtype)
-            self._file.seek(self._end)
-            self._file.write(memoryview(data))
+            handle.seek(self._end)
+            handle.write(memoryview(data))
             self._end = -(-(self._end + data.nbytes) // _ALIGN) * _ALIGN
-            self._file.truncate(self._end)
-            self._file.flush()
+            if self._end > self._file.size:  # (a kept file keeps its length: its pages are reused)
+                handle.truncate(self._end)
+                self._file.size = self._end
+            handle.flush()
         return stored
 
     def get(self, stored: Stored) -> torch.Tensor:
@@ -148,8 +223,9 @@ class Spill:
         if stored.nbytes == 0:
             return torch.empty(stored.shape, dtype=stored.dtype)
         with self._lock:
-            mapped = mmap.mmap(self._file.fileno(), stored.nbytes, access=mmap.ACCESS_COPY,
+            mapped = mmap.mmap(self._file.handle.fileno(), stored.nbytes, access=mmap.ACCESS_COPY,
                                offset=stored.offset)
+        self._file.mapped(mapped)  # the file is not written over while this mapping lives
         flat = torch.frombuffer(mapped, dtype=torch.uint8)  # keeps the mapping alive
         return flat.view(stored.dtype).view(stored.shape)
 
