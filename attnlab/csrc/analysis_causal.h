@@ -39,6 +39,7 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -48,10 +49,8 @@ constexpr bool kCausalHeads = true;
 
 constexpr int64_t kCausalRows = 32;  // rows per score block: 32 x 8192 floats = 1 MiB
 
-// exp_nonpos (kernel_common.h) on 16 lanes: 2^n 2^f, the same polynomial, 2^n by scalef; 0 below -87.
-inline __m512 vexp_nonpos(__m512 x) {
-  const __m512 t =
-      _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(-126.f));
+// 2^t = 2^n 2^f (n = round(t)): exp_nonpos' polynomial (kernel_common.h) in f, 2^n by scalef
+inline __m512 vexp2(__m512 t) {
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
   __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
@@ -61,8 +60,17 @@ inline __m512 vexp_nonpos(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ), _mm512_scalef_ps(p, n));
+  return _mm512_scalef_ps(p, n);
 }
+constexpr float kLog2e = 1.44269504088896341f;
+// exp_nonpos (kernel_common.h) on 16 lanes; 0 below -87
+inline __m512 vexp_nonpos(__m512 x) {
+  const __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _mm512_set1_ps(-126.f));
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ), vexp2(t));
+}
+// exp(x) for x in [-80, 30] (pass A's reference band): vexp_nonpos without its clamp and flush, which
+// change nothing there (the same values, three operations fewer)
+inline __m512 vexp_band(__m512 x) { return vexp2(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e))); }
 
 struct CausalLayer {
   const float *q, *k, *u, *spec;
@@ -112,18 +120,19 @@ inline void pass_a(const float* s, int64_t w, float mx, float M, float* mj, floa
                zero = _mm512_setzero_ps(), beta = _mm512_set1_ps(kRef ? std::exp(M - mx) : 0.f),
                lo87 = _mm512_set1_ps(-87.f);
   constexpr int64_t V = 16;
-  const int64_t wp = (w + V - 1) / V * V;
-  for (int64_t j = 0; j < wp; j += V) {
-    const __mmask16 in = j + V <= w ? __mmask16(0xFFFF) : __mmask16((1u << (w - j)) - 1u);
-    const __m512 sv = _mm512_maskz_loadu_ps(in, s + j), x = _mm512_sub_ps(sv, amx);
+  // one vector of keys j .. j + 15; kFull: all of them visible (no lane masks; with kRef every score is
+  // in [M - kBelowM, M + kAboveM], so exp(s - M) needs neither vexp_nonpos' clamp nor its flush)
+  auto step = [&](int64_t j, __mmask16 in, auto full) {
+    constexpr bool kFull = decltype(full)::value;
+    const __m512 sv = kFull ? _mm512_loadu_ps(s + j) : _mm512_maskz_loadu_ps(in, s + j), x = _mm512_sub_ps(sv, amx);
     __m512 ev, pj, lnp;
     if constexpr (kRef) {
       const __m512 xm = _mm512_sub_ps(sv, vM);  // in [-kBelowM, kAboveM]
-      const __m512 ea = _mm512_maskz_mov_ps(in, vexp_nonpos(xm));
+      const __m512 ea = kFull ? vexp_band(xm) : _mm512_maskz_mov_ps(in, vexp_nonpos(xm));
       ev = _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(x, lo87, _CMP_GE_OQ) & in, ea, beta);  // 0 below -87, as vexp
       const __m512 zn = _mm512_add_ps(_mm512_maskz_loadu_ps(in, zj + j), ea);
       _mm512_mask_storeu_ps(zj + j, in, zn);
-      const __m512 zsafe = _mm512_mask_blend_ps(in, one, zn);  // > 0: zn >= exp(s - M) >= exp(-kBelowM)
+      const __m512 zsafe = kFull ? zn : _mm512_mask_blend_ps(in, one, zn);  // > 0: zn >= exp(s - M) >= exp(-kBelowM)
       pj = _mm512_mul_ps(ea, static_cast<__m512>(vrecip(Vec(zsafe))));  // (a division costs more)
       lnp = _mm512_maskz_sub_ps(in, xm, fast_log(zsafe));  // ln P = (s - M) - ln Z
     } else {
@@ -150,8 +159,12 @@ inline void pass_a(const float* s, int64_t w, float mx, float M, float* mj, floa
       const __m512 t = _mm512_loadu_ps(spec + b * NP + j);
       A.se[b] = _mm512_fmadd_ps(ev, t, A.se[b]), A.sp[b] = _mm512_fmadd_ps(pj, t, A.sp[b]);
     }
-  }
+  };
+  int64_t j = 0;
+  for (; j + V <= w; j += V) step(j, __mmask16(0xFFFF), std::true_type{});
+  if (j < w) step(j, __mmask16((1u << (w - j)) - 1u), std::false_type{});
 }
+
 
 // Head h of the layer; false when it has to be recomputed (see redo above).
 inline bool causal_head(const CausalLayer& L, int64_t h) {

@@ -281,15 +281,16 @@ void row_pass(Head& h, bool sinkhorn_final) {
     }
     // the ratios to the unas weights: x_v = p_v / p_u = (alpha_v / alpha_u) beta_v,j, ln x_v
     const float cd = ad / au, cs = as / au;
-    if (h.want_h) {  // sweep 2: hnas, h = p_u m with m = (1 - u) + u x_d; ln h = ln alpha_u + s + ln m
-      const Vec vau(au), vcd(cd), vu(h.u), v1u(1.f - h.u), ln_au(std::log(au)), vtiny(log_tiny);
+    if (h.want_h) {  // sweep 2: hnas, h = p_u m with m = (1 - u) + u x_d; ln h = ln alpha_u + s + ln m, so
+      // sum h ln h = ln alpha_u sum h + alpha_u ((1 - u) sum E s + u c_d sum E s beta_d) + sum h ln m: only
+      // the last sum is taken here (the others are sweep 1's; a linear head's E is a normal float, > 0)
+      const Vec vau(au), vcd(cd), vu(h.u), v1u(1.f - h.u);
       Vec a_h(0.f), a_jh(0.f);
       for (int64_t j = 0; j < n_vec; j += Vec::size()) {
         const Vec PU = Vec::loadu(er + j) * vau;
         const Vec m = at::vec::fmadd(vu * vcd, Vec::loadu(bd + j), v1u);
         const Vec lnm = vlog(m);
-        const Vec PH = PU * m;
-        a_h = at::vec::fmadd(PH, at::vec::maximum(Vec::loadu(sr + j) + ln_au + lnm, vtiny), a_h);  // 0 ln 0 = 0
+        a_h = at::vec::fmadd(PU * m, lnm, a_h);
         if (h.js_h) a_jh = a_jh + js_terms_x(PU, m, lnm);
       }
       r[6] = sum_of(a_h), r[8] = sum_of(a_jh);
@@ -307,10 +308,14 @@ void row_pass(Head& h, bool sinkhorn_final) {
       if (h.pd) h.pd[i * N + j] = PD;
       if (h.ps) h.ps[i * N + j] = PS;
       if (h.ph) h.ph[i * N + j] = PH;
-      if (h.want_h) r[6] += PH * std::max(std::log(PH), log_tiny);
+      if (h.want_h) r[6] += PH * std::log1p(h.u * (cd * bd[j] - 1.f));  // h ln m, m = 1 + u (x_d - 1)
       if (h.js_d) r[7] += js_term(PD, PU, log_tiny);
       if (h.js_h) r[8] += js_term(PH, PU, log_tiny);
       if (h.js_s) r[9] += js_term(PS, PU, log_tiny);
+    }
+    if (h.want_h) {  // the rest of sum h ln h (sweep 2), from sweep 1's sums of E s and E s beta_d
+      const float sum_h = (1.f - h.u) * au * h.dn[i * (3 + 2 * S)] + h.u * ad * h.dn[i * (3 + 2 * S) + 1];
+      r[6] += std::log(au) * sum_h + au * ((1.f - h.u) * r[0] + h.u * cd * r[1]);
     }
     float* out = h.stats + i * kStats;
     for (int64_t c = 0; c < kStats; ++c) out[c] = r[c];
