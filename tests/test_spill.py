@@ -216,3 +216,16 @@ def test_analyses_that_reuse_the_spill_file_agree_bit_for_bit(tiny_model_dir, en
         del again
     assert len(made) == 2  # every later analysis wrote over the kept file
     spill_mod.clear_pool()
+
+
+def test_a_file_longer_than_the_pool_keeps_is_closed(monkeypatch):
+    """A finished file longer than POOL_MAX_BYTES is closed, not kept (its disk space is freed)."""
+    spill_mod.clear_pool()
+    monkeypatch.setattr(spill_mod, "POOL_MAX_BYTES", 100_000)
+    small, _ = _spill_of(torch.ones(10))
+    big, _ = _spill_of(torch.ones(50_000))
+    small_handle, big_handle = small._file.handle, big._file.handle
+    del big
+    assert big_handle.closed and spill_mod._POOL == []
+    del small
+    assert not small_handle.closed and spill_mod.clear_pool() == 1

@@ -15,11 +15,12 @@ attention), and every later reader maps them back from the file afresh:
 - after each spilled layer the heap's free pages go back to the system (glibc's ``malloc_trim``):
   otherwise each layer's freed 25 MB buffers stay in the process, fragmented, ~50 MB more RSS a layer
   at 8,192 tokens (docs/BENCHMARKS.md, "Causal models at long context");
-- one finished spill file is kept (:data:`POOL_FILES`) and written over by the next spill, once the
-  window's results and every tensor that maps the file are gone: writing a fresh file makes the system
-  find and clear new pages, 0.3-1 s at 8,192 tokens on this project's machine against 0.06-0.09 s for
-  the same bytes over a kept file's pages (docs/BENCHMARKS.md, "Twenty-first session");
-  :func:`clear_pool` closes it (its pages are page cache, which the system may reclaim at any time).
+- one finished spill file of at most :data:`POOL_MAX_BYTES` (1 GiB; 8,192 tokens of 12 layers of 12 + 12
+  heads of 64 dimensions take 604 MB) is kept (:data:`POOL_FILES`) and written over by the next spill,
+  once the window's results and every tensor that maps the file are gone: writing a fresh file makes
+  the system find and clear new pages, 0.3-1.3 s at 8,192 tokens on this project's machine against
+  0.06-0.09 s for the same bytes over a kept file's pages (docs/BENCHMARKS.md, "Twenty-first
+  session"); :func:`clear_pool` closes it (its pages are page cache, which the system may reclaim).
 
 Windows whose q and k together are at most :data:`SPILL_BYTES` (``ATTNLAB_SPILL_BYTES``; 256 MiB,
 e.g. 12 layers x 16 heads x 64 dims below ~5,400 tokens) stay in memory, as they always did.
@@ -40,12 +41,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
-__all__ = ["POOL_FILES", "SPILL_BYTES", "Spill", "Stored", "clear_pool", "spill_bytes", "spill_for"]
+__all__ = ["POOL_FILES", "POOL_MAX_BYTES", "SPILL_BYTES", "Spill", "Stored", "clear_pool", "spill_bytes",
+           "spill_for"]
 
 SPILL_BYTES = 256 << 20  # q and k of one window above this go to a file (ATTNLAB_SPILL_BYTES)
 
 _ALIGN = mmap.ALLOCATIONGRANULARITY  # a mapping's offset must be a multiple of it
 POOL_FILES = 1  # finished spill files kept for the next spills to write over (module docstring)
+POOL_MAX_BYTES = 1 << 30  # a longer file is closed, not kept (disk space no one sees: it is unlinked)
 
 
 def spill_bytes() -> int:
@@ -116,7 +119,7 @@ class _File:
     def _maybe_free(self) -> None:  # (under _POOL_LOCK)
         if self.spilling or self.mappings or self.handle.closed:
             return
-        if len(_POOL) < POOL_FILES:
+        if len(_POOL) < POOL_FILES and self.size <= POOL_MAX_BYTES:
             _POOL.append(self)
         else:
             self.handle.close()
