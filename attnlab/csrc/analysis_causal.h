@@ -124,7 +124,8 @@ inline void pass_a(const float* s, int64_t w, float mx, float M, float* mj, floa
   // in [M - kBelowM, M + kAboveM], so exp(s - M) needs neither vexp_nonpos' clamp nor its flush)
   auto step = [&](int64_t j, __mmask16 in, auto full) {
     constexpr bool kFull = decltype(full)::value;
-    const __m512 sv = kFull ? _mm512_loadu_ps(s + j) : _mm512_maskz_loadu_ps(in, s + j), x = _mm512_sub_ps(sv, amx);
+    const __m512 sv = kFull ? _mm512_loadu_ps(s + j) : _mm512_maskz_loadu_ps(in, s + j);
+    const __m512 x = _mm512_sub_ps(sv, amx);
     __m512 ev, pj, lnp;
     if constexpr (kRef) {
       const __m512 xm = _mm512_sub_ps(sv, vM);  // in [-kBelowM, kAboveM]
@@ -132,7 +133,8 @@ inline void pass_a(const float* s, int64_t w, float mx, float M, float* mj, floa
       ev = _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(x, lo87, _CMP_GE_OQ) & in, ea, beta);  // 0 below -87, as vexp
       const __m512 zn = _mm512_add_ps(_mm512_maskz_loadu_ps(in, zj + j), ea);
       _mm512_mask_storeu_ps(zj + j, in, zn);
-      const __m512 zsafe = kFull ? zn : _mm512_mask_blend_ps(in, one, zn);  // > 0: zn >= exp(s - M) >= exp(-kBelowM)
+      // > 0: zn >= exp(s - M) >= exp(-kBelowM)
+      const __m512 zsafe = kFull ? zn : _mm512_mask_blend_ps(in, one, zn);
       pj = _mm512_mul_ps(ea, static_cast<__m512>(vrecip(Vec(zsafe))));  // (a division costs more)
       lnp = _mm512_maskz_sub_ps(in, xm, fast_log(zsafe));  // ln P = (s - M) - ln Z
     } else {
@@ -164,7 +166,6 @@ inline void pass_a(const float* s, int64_t w, float mx, float M, float* mj, floa
   for (; j + V <= w; j += V) step(j, __mmask16(0xFFFF), std::true_type{});
   if (j < w) step(j, __mmask16((1u << (w - j)) - 1u), std::false_type{});
 }
-
 
 // Head h of the layer; false when it has to be recomputed (see redo above).
 inline bool causal_head(const CausalLayer& L, int64_t h) {
