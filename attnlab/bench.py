@@ -256,6 +256,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per case (median)")
+    parser.add_argument("--warmup", type=int, default=0,
+                        help="analysis --causal: untimed forward-and-analysis rounds before the timed ones")
     parser.add_argument("--heads", type=int, default=H, help="attention: heads (B=1)")
     parser.add_argument("--head-dim", type=int, default=D, help="attention: head dimension D")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="attention: input dtype")
@@ -279,7 +281,8 @@ def run(args: argparse.Namespace) -> int:
         from attnlab.hf.analysis.causal_benchmark import benchmark_causal
 
         sizes = tuple(int(s) for s in args.sizes.split(",")) if args.sizes_given else (512, 2048, 8192)
-        res = benchmark_causal(args.causal, sizes, repeats=args.repeats, memory=not args.no_memory)
+        res = benchmark_causal(args.causal, sizes, repeats=args.repeats, memory=not args.no_memory,
+                               warmup=args.warmup)
     elif args.what == "analysis" and args.variant_costs:
         from attnlab.hf.analysis.benchmark import variant_costs
 

@@ -70,3 +70,19 @@ def test_peak_memory_probe_sees_materialized_weights():
     big = bench._peak_extra_mib("dnas+weights", 512)
     small = bench._peak_extra_mib("dnas", 512)
     assert big > 12 and small >= 0 and small < big
+
+
+def test_causal_analysis_benchmark_reports_each_run_after_its_warmup(tiny_model_dir):
+    """``benchmark_causal``'s plumbing on a tiny saved model: untimed warm-up rounds, then each timed
+    run's seconds beside the medians (no timing asserted); a bad ``warmup`` is a worded error."""
+    from attnlab.hf.analysis.causal_benchmark import benchmark_causal
+
+    res = benchmark_causal("llama", (24,), repeats=2, memory=False, directory=tiny_model_dir("llama"),
+                           warmup=1)
+    row = res["sizes"][24]
+    assert row["warmup"] == 1 and row["repeats"] == 2
+    assert len(row["forward_runs_s"]) == len(row["analyse_runs_s"]) == 2
+    assert row["analyse_s"] == pytest.approx(sum(row["analyse_runs_s"]) / 2)
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match=f"warmup must be a non-negative int .*got {bad!r}"):
+            benchmark_causal("llama", (24,), warmup=bad)

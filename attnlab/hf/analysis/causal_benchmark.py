@@ -105,12 +105,17 @@ def peak_growth(directory: str, n: int) -> dict:
 
 
 def benchmark_causal(shape: str = "llama", sizes=(512, 2048, 8192), repeats: int = 3, memory: bool = True,
-                     directory: str | None = None) -> dict:
-    """{N: {forward_s, analyse_s, ratio_to_forward, peak_growth_mib}} for the ``shape`` model (medians of
-    ``repeats`` interleaved runs; at most 3 from N = 4096 on, where one analysis takes half a minute on 2
-    cores: single runs there varied by 15 % on a virtual machine, docs/BENCHMARKS.md)."""
+                     directory: str | None = None, warmup: int = 0) -> dict:
+    """{N: {forward_s, analyse_s, ratio_to_forward, forward_runs_s, analyse_runs_s, peak_growth_mib}} for
+    the ``shape`` model (medians of ``repeats`` interleaved runs, and each run's seconds; at most 3 from
+    N = 4096 on, where one analysis takes half a minute on 2 cores: single runs there varied by 15 % on a
+    virtual machine, docs/BENCHMARKS.md). ``warmup`` untimed forward-and-analysis rounds go first at each
+    N: on this project's VM the first two analyses at 8,192 tokens took 1.37-1.43x and the next
+    1.19-1.20x (docs/BENCHMARKS.md, "Twenty-first session")."""
     from attnlab import hf
 
+    if isinstance(warmup, bool) or not hasattr(warmup, "__index__") or int(warmup) < 0:
+        raise ValueError(f"warmup must be a non-negative int (untimed rounds), got {warmup!r}")
     sizes = tuple(int(n) for n in sizes)
     directory = directory or os.path.join(tempfile.gettempdir(), f"attnlab-bench-{shape}-{max(sizes)}")
     build_model(shape, max(sizes), directory)
@@ -131,6 +136,9 @@ def benchmark_causal(shape: str = "llama", sizes=(512, 2048, 8192), repeats: int
                 raise RuntimeError(f"expected one window of {n} tokens, got {result.n_windows}")
             result.windows[0].table()
 
+        for _ in range(int(warmup)):
+            forward()
+            analyse()
         t_fwd, t_an = [], []
         for _ in range(reps):
             for fn, times in ((forward, t_fwd), (analyse, t_an)):
@@ -138,7 +146,8 @@ def benchmark_causal(shape: str = "llama", sizes=(512, 2048, 8192), repeats: int
                 fn()
                 times.append(time.perf_counter() - t0)
         fwd, an = statistics.median(t_fwd), statistics.median(t_an)
-        row = {"forward_s": fwd, "analyse_s": an, "ratio_to_forward": an / fwd, "repeats": reps}
+        row = {"forward_s": fwd, "analyse_s": an, "ratio_to_forward": an / fwd, "repeats": reps,
+               "warmup": int(warmup), "forward_runs_s": t_fwd, "analyse_runs_s": t_an}
         if memory:
             code = ("import json, sys; from attnlab.hf.analysis.causal_benchmark import peak_growth; "
                     f"print(json.dumps(peak_growth({str(directory)!r}, {n})))")
