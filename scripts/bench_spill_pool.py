@@ -7,36 +7,25 @@ alternating processes. Nothing is asserted.
     python3 scripts/bench_spill_pool.py POOL [SHAPE] [N]        # e.g. 1 llama 8192
 """
 
+import collections
 import json
 import sys
-import time
+
+from profile_window_parts import timed_calls  # (this folder is on sys.path when run)
 
 from attnlab.hf.capture import spill
 
 
 def main(pool: int, shape: str = "llama", n: int = 8192) -> None:
     spill.POOL_FILES = pool
-    spent = {"put": 0.0, "trim": 0.0}
-    put, trim = spill.Spill.put, spill.release_heap
-
-    def timed_put(self, tensor):
-        t0 = time.perf_counter()
-        out = put(self, tensor)
-        spent["put"] += time.perf_counter() - t0
-        return out
-
-    def timed_trim():
-        t0 = time.perf_counter()
-        out = trim()
-        spent["trim"] += time.perf_counter() - t0
-        return out
-
-    spill.Spill.put, spill.release_heap = timed_put, timed_trim
+    spent = collections.defaultdict(list)
+    spill.Spill.put = timed_calls(spent, "put", spill.Spill.put)
+    spill.release_heap = timed_calls(spent, "trim", spill.release_heap)
     from attnlab.hf.analysis.causal_benchmark import benchmark_causal
 
     res = benchmark_causal(shape, (n,), repeats=2, memory=False)
     print(f"POOL_FILES={pool}", json.dumps(res["sizes"]),
-          f"put {spent['put']:.3f} s, trims {spent['trim']:.3f} s (three analyses)")
+          f"put {sum(spent['put']):.3f} s, trims {sum(spent['trim']):.3f} s (three analyses)")
 
 
 if __name__ == "__main__":

@@ -314,7 +314,8 @@ void row_pass(Head& h, bool sinkhorn_final) {
       if (h.js_s) r[9] += js_term(PS, PU, log_tiny);
     }
     if (h.want_h) {  // the rest of sum h ln h (sweep 2), from sweep 1's sums of E s and E s beta_d
-      const float sum_h = (1.f - h.u) * au * h.dn[i * (3 + 2 * S)] + h.u * ad * h.dn[i * (3 + 2 * S) + 1];
+      const float* dn = h.dn + i * (3 + 2 * S);  // E 1, E beta_d, ... (dnas_pass)
+      const float sum_h = (1.f - h.u) * au * dn[0] + h.u * ad * dn[1];
       r[6] += std::log(au) * sum_h + au * ((1.f - h.u) * r[0] + h.u * cd * r[1]);
     }
     float* out = h.stats + i * kStats;

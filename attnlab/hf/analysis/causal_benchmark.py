@@ -116,6 +116,7 @@ def benchmark_causal(shape: str = "llama", sizes=(512, 2048, 8192), repeats: int
 
     if isinstance(warmup, bool) or not hasattr(warmup, "__index__") or int(warmup) < 0:
         raise ValueError(f"warmup must be a non-negative int (untimed rounds), got {warmup!r}")
+    warmup = int(warmup)  # (a numpy integer: a Python int)
     sizes = tuple(int(n) for n in sizes)
     directory = directory or os.path.join(tempfile.gettempdir(), f"attnlab-bench-{shape}-{max(sizes)}")
     build_model(shape, max(sizes), directory)
@@ -136,7 +137,7 @@ def benchmark_causal(shape: str = "llama", sizes=(512, 2048, 8192), repeats: int
                 raise RuntimeError(f"expected one window of {n} tokens, got {result.n_windows}")
             result.windows[0].table()
 
-        for _ in range(int(warmup)):
+        for _ in range(warmup):
             forward()
             analyse()
         t_fwd, t_an = [], []
@@ -147,7 +148,7 @@ def benchmark_causal(shape: str = "llama", sizes=(512, 2048, 8192), repeats: int
                 times.append(time.perf_counter() - t0)
         fwd, an = statistics.median(t_fwd), statistics.median(t_an)
         row = {"forward_s": fwd, "analyse_s": an, "ratio_to_forward": an / fwd, "repeats": reps,
-               "warmup": int(warmup), "forward_runs_s": t_fwd, "analyse_runs_s": t_an}
+               "warmup": warmup, "forward_runs_s": t_fwd, "analyse_runs_s": t_an}
         if memory:
             code = ("import json, sys; from attnlab.hf.analysis.causal_benchmark import peak_growth; "
                     f"print(json.dumps(peak_growth({str(directory)!r}, {n})))")

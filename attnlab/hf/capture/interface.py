@@ -242,7 +242,7 @@ def _capture_attention(module, query, key, value, attention_mask, scaling=None, 
         softcap = kwargs.get("softcap")
         window = kwargs.get("sliding_window")
         mask, bias = split_mask(attention_mask, key.shape[-2])
-        if run.spill is not None:  # one copy for the file and the causal kernel (both need it contiguous)
+        if run.spill is not None and run.spill.active is not False:  # one copy for the file and the kernel
             query, key = query.contiguous(), key.contiguous()
         if bias is not None:  # a position bias in the mask: the layer's scores S, keys I_N (mask_bias.py)
             scores = biased_scores(module, query.detach(), key.detach(), bias, scale, softcap)
