@@ -527,3 +527,18 @@ def test_broadcast_masks_count_every_row_and_key(shape):
     h = -(torch.where(full, w, 0.0) * w.log()).sum(-1)
     want = torch.where(rows, h, 0.0).sum(-1) / rows.sum(-1).clamp_min(1)
     torch.testing.assert_close(stats.row_entropy(w, mask), want)
+
+
+def test_column_statistics_count_keys_and_a_nan_mass_makes_only_its_head_nan():
+    third = torch.tensor(1.0) / 3  # float32 1/3: a column exactly at the DNAS floor is not below it
+    col = torch.stack([torch.stack([third, torch.tensor(0.5), 2.5 - third]),
+                       torch.tensor([0.2, float("nan"), 2.8])])[None]  # (1, 2, 3): m = 3 rows, n = 3 keys
+    out = stats.engine.column_statistics(col, 3, 3, 0.6, 0.4, torch.full((1, 2), 0.5))
+    shares = {"explained_away": 2 / 3, "explained_away_relative": 1 / 3, "below_dnas_bound": 0.0,
+              "below_hnas_bound": 0.0}
+    for name, want in shares.items():
+        assert out[name].dtype == torch.float32 and out[name][0, 0].item() == pytest.approx(want), name
+        assert out[name][0, 1].isnan(), name  # the NaN mass of head 1
+    assert out["column_mass_min"][0, 0] == third and out["column_mass_max"][0, 0] == 2.5 - third
+    assert out["ds_column_dev_max"][0, 0] == pytest.approx(1.5 - third.item())
+    assert all(t[0, 1].isnan() for t in out.values())  # min, max, Gini and deviations too

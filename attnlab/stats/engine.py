@@ -187,30 +187,47 @@ def row_sums_dict(maps, spec, dist, ref) -> dict:
             "special": special_mass, "js": js_d}
 
 
-def _share(below: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
-    """Share of keys where ``below`` holds (..., N) -> (...,); NaN where a column mass is NaN."""
-    b = below.to(col.dtype)
-    return torch.where(col.isnan(), col, b).mean(-1)
-
-
 def column_statistics(col: torch.Tensor, n: int, m: int, eps: float, eps_relative: float, u) -> dict:
-    """Per-head statistics from dense column masses (..., n) of m valid rows (all keys valid)."""
-    rel = col * (n / m)
+    """Per-head statistics from dense column masses (..., n) of m valid rows (all keys valid); ``u``
+    (...,) the HNAS weights of ``below_hnas_bound``. A share is a count of keys over n (exact in the
+    masses' dtype); a head with a NaN mass gets NaN shares."""
+    nan = col.isnan().any(-1)  # (...,)
+
+    def share(below: torch.Tensor) -> torch.Tensor:  # (..., n) bool -> (...,)
+        return below.sum(-1).to(col.dtype).div_(n).masked_fill_(nan, math.nan)
+
+    low, high = col.amin(-1), col.amax(-1)
     bound = 1.0 / n
-    below = lambda floor: _share(col < floor * (1.0 - BOUND_RTOL), col)  # noqa: E731
-    dev = (col - m / n).abs()
+    below = lambda floor: share(col < floor * (1.0 - BOUND_RTOL))  # noqa: E731  at a floor is not below
+    dev = (col - m / n).abs_()
     return {
-        "column_mass_min": col.amin(-1),
-        "column_mass_max": col.amax(-1),
-        "column_mass_min_over_bound": col.amin(-1) * n,
-        "explained_away": _share(col < eps, col),
-        "explained_away_relative": _share(rel < eps_relative, col),
+        "column_mass_min": low,
+        "column_mass_max": high,
+        "column_mass_min_over_bound": low * n,
+        "explained_away": share(col < eps),
+        "explained_away_relative": share(col * (n / m) < eps_relative),
         "below_dnas_bound": below(bound),
         "below_hnas_bound": below(u[..., None] * bound),
         "gini": gini(col),
         "ds_column_dev_max": dev.amax(-1),
         "ds_column_dev_mean": dev.mean(-1),
     }
+
+
+def row_statistics(raw: RowSums, reference, special_index, punctuation_index=None) -> dict:
+    """{statistic: (L, H)} of the rows (means over the M valid rows, and ``ds_row_dev_max``) in their
+    table order; arguments as in :func:`summarize`."""
+    L, H = raw.shape[:2]
+    per_head = lambda t: t.mean(-1).reshape(L, H)  # noqa: E731  mean over the M rows
+    out = {"row_entropy": per_head(raw.entropy), "attention_distance": per_head(raw.distance)}
+    if special_index is not None:
+        out["special_mass"] = per_head(raw.special[..., special_index])
+    if punctuation_index is not None:
+        out["punctuation_mass"] = per_head(raw.special[..., punctuation_index])
+    out["ds_row_dev_max"] = (raw.rowsum - 1.0).abs_().amax(-1).reshape(L, H)
+    if reference is not None:  # 0 for the reference itself
+        out[f"js_to_{reference}"] = per_head(raw.js) if raw.js is not None else raw.cols.new_zeros(L, H)
+    return out
 
 
 def summarize(raw: RowSums, u, eps, eps_relative, reference, special_index, punctuation_index=None) -> dict:
@@ -220,18 +237,8 @@ def summarize(raw: RowSums, u, eps, eps_relative, reference, special_index, punc
     ``js_to_<reference>`` (None: no JS statistic)."""
     L, H, M, N = raw.shape
     cols = raw.cols
-    per_head = lambda t: t.mean(-1).reshape(L, H)  # noqa: E731  mean over the M rows
     out = column_statistics(cols.reshape(L, H, N), N, M, eps, eps_relative, u.to(cols.device, cols.dtype))
-    out["row_entropy"] = per_head(raw.entropy)
-    out["attention_distance"] = per_head(raw.distance)
-    if special_index is not None:
-        out["special_mass"] = per_head(raw.special[..., special_index])
-    if punctuation_index is not None:
-        out["punctuation_mass"] = per_head(raw.special[..., punctuation_index])
-    out["ds_row_dev_max"] = (raw.rowsum - 1.0).abs().amax(-1).reshape(L, H)
-    if reference is not None:  # 0 for the reference itself
-        out[f"js_to_{reference}"] = per_head(raw.js) if raw.js is not None else cols.new_zeros(L, H)
-    return out
+    return {**out, **row_statistics(raw, reference, special_index, punctuation_index)}
 
 
 def u_table(u, L: int, H: int) -> torch.Tensor:
@@ -320,16 +327,12 @@ def statistics_from_row_sums(
     if not (L and H and M and N):
         return empty_statistics(names, reference, special_index is not None, L, H,
                                 punctuation_index is not None)
-    V = len(names)  # every variant at once: (V * L, H) "layers"
-
-    def stack(key):
-        parts = [getattr(sums[n], key) for n in names]
-        if key != "js" and parts[0] is None:
-            return None
-        zeros = first.entropy.new_zeros(first.entropy.shape)
-        return torch.cat([p if p is not None else zeros for p in parts])
-
-    both = RowSums((V * L, H, M, N), **{k: stack(k) for k in ("cols", "rowsum", "entropy", "distance",
-                                                               "special", "js")})
-    out = summarize(both, u.repeat(V, 1), eps, eps_relative, reference, special_index, punctuation_index)
-    return {name: {k: t[i * L : (i + 1) * L] for k, t in out.items()} for i, name in enumerate(names)}
+    # every variant's column masses at once, (V * L, H, N); the row statistics per variant (small)
+    cols = torch.cat([sums[n].cols for n in names]).reshape(len(names) * L, H, N)
+    uu = u.repeat(len(names), 1).to(cols.device, cols.dtype)
+    columns = column_statistics(cols, N, M, eps, eps_relative, uu)
+    out = {}
+    for i, name in enumerate(names):
+        rows = row_statistics(sums[name], reference, special_index, punctuation_index)
+        out[name] = {**{k: t[i * L : (i + 1) * L] for k, t in columns.items()}, **rows}
+    return out

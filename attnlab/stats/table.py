@@ -140,9 +140,8 @@ def _to_frame(stats: dict, names: list[str], L: int, H: int, window) -> pd.DataF
     keys = [k for k in BASE_ORDER if k in stats[names[0]]]
     keys += [k for k in stats[names[0]] if k not in keys]
     S, V = len(keys), len(names)
-    values = np.stack([
-        torch.stack([stats[n][k].to("cpu", torch.float64) for k in keys], -1).numpy() for n in names
-    ])  # (V, L, H, S)
+    values = torch.stack([stats[n][k].to("cpu") for n in names for k in keys]).to(torch.float64)
+    values = values.reshape(V, S, L, H).permute(0, 2, 3, 1).numpy()  # (V, L, H, S)
     frame = pd.DataFrame({
         "variant": np.repeat(np.asarray(names, dtype=object), L * H * S),
         "layer": np.tile(np.repeat(np.arange(L), H * S), V),
