@@ -542,3 +542,12 @@ def test_column_statistics_count_keys_and_a_nan_mass_makes_only_its_head_nan():
     assert out["column_mass_min"][0, 0] == third and out["column_mass_max"][0, 0] == 2.5 - third
     assert out["ds_column_dev_max"][0, 0] == pytest.approx(1.5 - third.item())
     assert all(t[0, 1].isnan() for t in out.values())  # min, max, Gini and deviations too
+
+
+def test_row_sums_of_variants_with_different_key_masks_are_refused_by_name():
+    ws = variant_weights(1, 2, 5, seed=3)
+    spec = torch.tensor([True, False, False, False, True])
+    sums = {"unas": stats.RowSums.from_maps(ws["unas"], special=spec),
+            "dnas": stats.RowSums.from_maps(ws["dnas"])}
+    with pytest.raises(ValueError, match=r"same key masks .*'unas': 1, 'dnas': 0"):
+        stats.statistics_from_row_sums(sums, special_index=0)

@@ -316,8 +316,11 @@ def statistics_from_row_sums(
     names = list(sums)
     if reference not in sums:
         reference = None
-    first = sums[names[0]]
-    S = 0 if first.special is None else first.special.shape[-1]
+    masks = {n: 0 if s.special is None else s.special.shape[-1] for n, s in sums.items()}
+    if len(set(masks.values())) != 1:
+        raise ValueError(f"every variant's row sums must have the same key masks (special (L*H, M, S)), got "
+                         f"S = {masks}")
+    S = masks[names[0]]
     special_index, punctuation_index = scalar(special_index), scalar(punctuation_index)  # numpy: Python
     for label, index in (("special_index", special_index), ("punctuation_index", punctuation_index)):
         if index is not None and (isinstance(index, bool) or not isinstance(index, int)
